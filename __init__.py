@@ -1,0 +1,18 @@
+"""preload: DeepSeek-family MoE weights loaded once, engines attached zero-copy."""
+
+from pathlib import Path
+
+BUNDLED_MODEL = str(Path(__file__).parent / "bundled" / "tiny-v3")
+
+
+def __getattr__(name: str):
+    # Import lazily: `preload --help` and the daemon's zygote should not pay for
+    # the engine's imports until they need them.
+    if name == "LLM":
+        from preload.worker.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["BUNDLED_MODEL", "LLM"]

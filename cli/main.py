@@ -1,0 +1,36 @@
+"""The `preload` command. Subcommands are registered here by name and imported only
+when run, so `preload --help` and `preload status` never pay for importing torch."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+COMMANDS = {
+    "demo": ("preload.cli.demo", "demo", "Show the product on the bundled model."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][2]) for name in sorted(COMMANDS)])
+
+
+@click.group(cls=LazyGroup)
+def main() -> None:
+    """preload: DeepSeek-family MoE weights loaded once, engine workers attached zero-copy."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""FP8 (e4m3) weight formats: DeepSeek's 128x128 block scales and one scale per tensor.
+
+A block-quantized weight W [N, K] is stored as e4m3 values Q and `scale_inv`
+[ceil(N/bn), ceil(K/bk)] with W ~= Q * scale_inv (block-wise), as in DeepSeek's
+released checkpoints.
+"""
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * _expand_blocks(scale_inv.float(), q.shape, block)).to(dtype)
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and float32 scale_inv, one scale per block (amax / 448)."""
+    n, k = w.shape
+    bn, bk = block
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float32, device=w.device)
+    pad[:n, :k] = w.float()
+    blocks = pad.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))  # [n/bn, bn, k/bk, bk]
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_MAX
+    q = (w.float() / _expand_blocks(scale_inv, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale_inv

@@ -1,0 +1,83 @@
+"""Mixture-of-experts routing and expert evaluation.
+
+Routing returns, per token, the ids of its top-k experts and their mixing weights.
+V2 scores with softmax and picks greedily (optionally within the best groups); V3
+scores with a sigmoid, picks with a per-expert bias that only steers the choice
+(aux-loss-free balancing), and takes weights from the unbiased scores.
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
+    n_group = group_scores.shape[-1]
+    keep_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+    expert_mask = group_mask.repeat_interleave(scores.shape[-1] // n_group, dim=-1)
+    return scores.masked_fill(~expert_mask, fill)
+
+
+def route_softmax(
+    logits: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    grouped: bool,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing: softmax scores, greedy or group-limited greedy top-k."""
+    scores = logits.float().softmax(dim=-1)
+    choice = scores
+    if grouped:
+        group_scores = scores.unflatten(-1, (n_group, -1)).amax(dim=-1)
+        choice = _mask_to_top_groups(scores, group_scores, topk_group, 0.0)
+    weights, ids = choice.topk(top_k, dim=-1, sorted=False)
+    # V2 either renormalizes the chosen weights or scales them, never both.
+    if top_k > 1 and norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = weights * scaling
+    return weights, ids
+
+
+def route_sigmoid(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (noaux_tc): sigmoid scores, biased group-limited choice."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    group_scores = choice.unflatten(-1, (n_group, -1)).topk(2, dim=-1).values.sum(dim=-1)
+    choice = _mask_to_top_groups(choice, group_scores, topk_group, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x): the feed-forward of every dense layer and expert."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+Expert = Callable[[torch.Tensor], torch.Tensor]
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * expert(x). x [T, D], ids/weights [T, k]."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        y = experts[e](x[token]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out

@@ -1,0 +1,109 @@
+"""Reading an HF checkpoint directory: sharded or single safetensors, bf16/fp16/fp32
+or DeepSeek's native FP8 (e4m3 weights with `weight_scale_inv` block scales)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from preload.kernels.fp8 import FP8, dequantize_block
+from preload.worker.config import ModelConfig
+from preload.worker.layout import checkpoint_shapes, mtp_shapes
+
+# Kept in float32 whatever the model dtype: routing decisions are sensitive to rounding.
+FLOAT32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, or disagrees with config.json."""
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+class CheckpointReader:
+    """Name -> file index over a checkpoint's safetensors files, read one tensor at a time (mmap)."""
+
+    def __init__(self, model_dir: str | Path):
+        self._stack = ExitStack()
+        self.files: dict[str, tuple[Path, object]] = {}
+        for path in safetensors_files(model_dir):
+            try:
+                handle = self._stack.enter_context(safe_open(path, framework="pt"))
+            except (SafetensorError, OSError) as e:
+                self.close()
+                raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from None
+            for name in handle.keys():
+                self.files[name] = (path, handle)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise CheckpointError(f"missing tensor {name}")
+        path, handle = self.files[name]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def wanted_shapes(cfg: ModelConfig, reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    """The tensors the model runs from: the main model, and the MTP module when the
+    config declares one and the files hold it (transformers saves none)."""
+    mtp = mtp_shapes(cfg) if cfg.num_mtp_layers else {}
+    with_mtp = bool(mtp) and all(name in reader for name in mtp)
+    return checkpoint_shapes(cfg, with_mtp=with_mtp)
+
+
+def iter_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor the model needs, checked against the config.
+    Native FP8 weights come with their block scales dequantized to float32."""
+    with CheckpointReader(model_dir) as reader:
+        for name, shape in wanted_shapes(cfg, reader).items():
+            tensor = reader.get(name)
+            if tensor.dtype == FP8:
+                scale_name = name + "_scale_inv"
+                if cfg.fp8_block is None or scale_name not in reader:
+                    raise CheckpointError(f"tensor {name} is float8 but has no {scale_name} block scales")
+                tensor = dequantize_block(tensor, reader.get(scale_name), cfg.fp8_block, torch.float32)
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(
+                    f"{reader.files[name][0]}: tensor {name} has shape {tuple(tensor.shape)}, config expects {shape}"
+                )
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"{reader.files[name][0]}: tensor {name} has dtype {tensor.dtype}, expected a float")
+            yield name, tensor
+
+
+def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """Every tensor the model needs, in `dtype` on `device` (router weights in float32)."""
+    return {
+        name: t.to(device=device, dtype=torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
+        for name, t in iter_checkpoint(model_dir, cfg)
+    }

@@ -1,0 +1,75 @@
+"""The latent KV cache and the per-step attention layout over it.
+
+MLA caches two small vectors per token per layer: the normalized latent `c_kv`
+(kv_lora_rank) and the roped shared key `k_pe` (qk_rope_head_dim). The cache is a
+pool of token slots; which slots hold which sequence is the caller's business (the
+engine's block manager, or a simple contiguous range).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from preload.worker.config import ModelConfig
+
+
+class LatentCache:
+    def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device):
+        # One tensor per layer, so that training can write them under autograd.
+        self.c_kv = [torch.zeros(num_slots, cfg.kv_lora_rank, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_pe = [torch.zeros(num_slots, cfg.qk_rope_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        self.c_kv[layer][slots] = c_kv.to(self.c_kv[layer].dtype)
+        self.k_pe[layer][slots] = k_pe.to(self.k_pe[layer].dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.c_kv[layer][slots], self.k_pe[layer][slots]
+
+
+@dataclass
+class AttentionMeta:
+    """Where one forward step's tokens sit: a flat batch of T new tokens from B
+    sequences, each attending to its own context of cached slots.
+
+    positions [T], slots [T]: position and cache slot of each new token.
+    q_index [B, Q], q_valid [B, Q]: the flat index of each sequence's new tokens, padded.
+    kv_slots [B, K]: each sequence's context slots (new tokens included), padded.
+    mask [B, Q, K]: causal visibility, False on padding keys.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def is_decode(self) -> bool:
+        return self.q_index.shape[1] == 1
+
+    @classmethod
+    def build(cls, seqs: Sequence[tuple[int, int, torch.Tensor]], device) -> AttentionMeta:
+        """seqs: (start, n_new, context_slots) per sequence; the new tokens are at
+        positions start .. start+n_new-1 and context_slots covers 0 .. start+n_new-1."""
+        starts = torch.tensor([s for s, _, _ in seqs], device=device)
+        counts = torch.tensor([n for _, n, _ in seqs], device=device)
+        ctx_lens = starts + counts
+        q, k = int(counts.max()), int(ctx_lens.max())
+        offsets = torch.cumsum(counts, 0) - counts
+        qi = torch.arange(q, device=device)
+        q_valid = qi < counts[:, None]
+        q_index = torch.where(q_valid, offsets[:, None] + qi, 0)
+        kv_slots = torch.zeros(len(seqs), k, dtype=torch.long, device=device)
+        for row, (_, _, ctx) in zip(kv_slots, seqs):
+            row[: len(ctx)] = torch.as_tensor(ctx, device=device)
+        q_pos = starts[:, None] + qi  # padded queries get later positions: never an empty row
+        k_pos = torch.arange(k, device=device)
+        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ctx_lens[:, None, None])
+        positions = q_pos[q_valid]
+        slots = kv_slots.gather(1, q_pos.clamp(max=k - 1))[q_valid]
+        return cls(positions, slots, q_index, q_valid, kv_slots, mask)

@@ -1,0 +1,212 @@
+"""The DeepSeek V2/V3 model: MLA attention, dense and MoE SwiGLU layers, the MTP module.
+
+The model owns no weights: it holds references into a name -> tensor mapping (a
+checkpoint read into memory, or an arena attached zero-copy), with the names of the
+HF checkpoint. It runs on a flat batch of tokens from many sequences; attention
+reads each sequence's context from a latent cache (see `kv_cache.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from preload.kernels.attention import mla_absorbed, mla_expanded
+from preload.kernels.moe import moe_experts, route_sigmoid, route_softmax, swiglu
+from preload.kernels.norm import rms_norm
+from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
+from preload.worker.config import ModelConfig
+from preload.worker.kv_cache import AttentionMeta, LatentCache
+from preload.worker.layout import checkpoint_shapes, mtp_layer_index
+
+Weights = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class MLP:
+    """SwiGLU feed-forward: a dense layer, one routed expert or the shared experts."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    @classmethod
+    def load(cls, w: Weights, p: str) -> MLP:
+        return cls(w[f"{p}.gate_proj.weight"], w[f"{p}.up_proj.weight"], w[f"{p}.down_proj.weight"])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate, self.up, self.down)
+
+
+class MoE:
+    """Routed experts (top-k of n per token) plus always-on shared experts."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, p: str):
+        self.cfg = cfg
+        self.gate = w[f"{p}.gate.weight"]
+        self.bias = w.get(f"{p}.gate.e_score_correction_bias")
+        self.experts = [MLP.load(w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
+        self.shared = MLP.load(w, f"{p}.shared_experts") if cfg.n_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        logits = F.linear(x.float(), self.gate.float())
+        if c.scoring_func == "sigmoid":
+            return route_sigmoid(
+                logits, self.bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor
+            )
+        grouped = c.topk_method == "group_limited_greedy"
+        return route_softmax(
+            logits, c.num_experts_per_tok, c.n_group, c.topk_group, grouped, c.norm_topk_prob, c.routed_scaling_factor
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        y = moe_experts(x, ids, weights, self.experts)
+        return y + self.shared(x) if self.shared else y
+
+
+class Attention:
+    """Multi-head latent attention: queries (optionally through a low-rank q_lora),
+    one shared latent c_kv + roped k_pe per token, cached and attended to."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, p: str, layer: int):
+        self.cfg, self.layer = cfg, layer
+        self.q_a = w.get(f"{p}.q_a_proj.weight")
+        self.q_a_norm = w.get(f"{p}.q_a_layernorm.weight")
+        self.q_b = w.get(f"{p}.q_b_proj.weight")
+        self.q = w.get(f"{p}.q_proj.weight")
+        self.kv_a = w[f"{p}.kv_a_proj_with_mqa.weight"]
+        self.kv_a_norm = w[f"{p}.kv_a_layernorm.weight"]
+        self.kv_b = w[f"{p}.kv_b_proj.weight"]
+        self.o = w[f"{p}.o_proj.weight"]
+        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+
+    def __call__(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta, cache: LatentCache
+    ) -> torch.Tensor:
+        c = self.cfg
+        cos, sin = rope
+        if self.q is None:
+            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps), self.q_b)
+        else:
+            q = F.linear(x, self.q)
+        q_nope, q_pe = q.unflatten(-1, (c.num_heads, c.qk_head_dim)).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], c.rope.interleaved)
+
+        c_kv, k_pe = F.linear(x, self.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        c_kv = rms_norm(c_kv, self.kv_a_norm, c.rms_norm_eps)
+        k_pe = apply_rope(k_pe, cos, sin, c.rope.interleaved)
+        cache.write(self.layer, meta.slots, c_kv, k_pe)
+
+        ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
+        attend = mla_absorbed if meta.is_decode else mla_expanded
+        out = attend(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b, meta.mask, self.scale)
+        return F.linear(out[meta.q_valid].flatten(1), self.o)
+
+
+class Block:
+    """Pre-norm decoder layer: x + attention(norm x), then x + feed-forward(norm x)."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights, layer: int):
+        p = f"model.layers.{layer}"
+        self.eps = cfg.rms_norm_eps
+        self.attn_norm = w[f"{p}.input_layernorm.weight"]
+        self.attn = Attention(cfg, w, f"{p}.self_attn", layer)
+        self.ffn_norm = w[f"{p}.post_attention_layernorm.weight"]
+        self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(w, f"{p}.mlp")
+
+    def __call__(self, x: torch.Tensor, rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, meta, cache)
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+
+
+class MTP:
+    """DeepSeek-V3's multi-token prediction module: from the main model's hidden state
+    at position i and the embedding of token i+1, predict token i+2."""
+
+    def __init__(self, cfg: ModelConfig, w: Weights):
+        m = mtp_layer_index(cfg)
+        p = f"model.layers.{m}"
+        self.eps = cfg.rms_norm_eps
+        self.enorm, self.hnorm = w[f"{p}.enorm.weight"], w[f"{p}.hnorm.weight"]
+        self.eh_proj = w[f"{p}.eh_proj.weight"]
+        self.block = Block(cfg, w, m)
+        self.norm = w[f"{p}.shared_head.norm.weight"]
+
+
+class Transformer:
+    """Embedding, decoder blocks, final norm and output head (plus the MTP module when
+    the checkpoint has one)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights):
+        self.cfg = cfg
+        self.embed = weights["model.embed_tokens.weight"]
+        self.layers = [Block(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.norm = weights["model.norm.weight"]
+        self.head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        has_mtp = cfg.num_mtp_layers > 0 and f"model.layers.{mtp_layer_index(cfg)}.eh_proj.weight" in weights
+        self.mtp = MTP(cfg, weights) if has_mtp else None
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg.rope, cfg.qk_rope_head_dim)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_layers + (1 if self.mtp else 0)
+
+    def _rope(self, meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(meta.positions, self.inv_freq, self.rope_scale)
+
+    def forward(self, tokens: torch.Tensor, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
+        """Final-normed hidden states [T, D] for a flat batch of tokens [T]."""
+        x = self.embed[tokens]
+        rope = self._rope(meta)
+        for block in self.layers:
+            x = block(x, rope, meta, cache)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head).float()
+
+    def mtp_forward(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, meta: AttentionMeta, cache: LatentCache
+    ) -> torch.Tensor:
+        """MTP logits [T, V]: hidden [T, D] from `forward` at positions i, next_tokens [T] the tokens at i+1."""
+        m = self.mtp
+        assert m is not None, "this checkpoint has no MTP layer"
+        e = rms_norm(self.embed[next_tokens], m.enorm, m.eps)
+        h = rms_norm(hidden, m.hnorm, m.eps)
+        x = m.block(F.linear(torch.cat([e, h], dim=-1), m.eh_proj), self._rope(meta), meta, cache)
+        return self.logits(rms_norm(x, m.norm, m.eps))
+
+    def train_forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, S, V] and MTP logits [B, S-1, V] for full sequences [B, S] (no
+        cache kept). MTP position i predicts token i+2."""
+        b, s = tokens.shape
+        cache = LatentCache(self.num_cache_layers, b * s, self.cfg, self.embed.dtype, tokens.device)
+        slots = torch.arange(b * s, device=tokens.device).view(b, s)
+        meta = AttentionMeta.build([(0, s, row) for row in slots], tokens.device)
+        hidden = self.forward(tokens.flatten(), meta, cache)
+        logits = self.logits(hidden).view(b, s, -1)
+        if self.mtp is None:
+            return logits, None
+        mtp_meta = AttentionMeta.build([(0, s - 1, row[:-1]) for row in slots], tokens.device)
+        h = hidden.view(b, s, -1)[:, :-1].flatten(0, 1)
+        mtp_logits = self.mtp_forward(h, tokens[:, 1:].flatten(), mtp_meta, cache)
+        return logits, mtp_logits.view(b, s - 1, -1)
+
+
+def init_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Fresh float32 weights for training: normal(0, std) matrices, unit norms, zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in checkpoint_shapes(cfg, with_mtp=cfg.num_mtp_layers > 0).items():
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = torch.zeros(shape)
+        elif len(shape) == 1:
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * std
+    return weights

@@ -1,0 +1,43 @@
+"""Text <-> token ids from a checkpoint's tokenizer.json and tokenizer_config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken dicts.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: not found; the checkpoint needs a tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text).ids
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
