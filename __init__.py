@@ -12,7 +12,11 @@ def __getattr__(name: str):
         from preload.worker.llm import LLM
 
         return LLM
+    if name == "attach":
+        from preload.worker.attach import attach
+
+        return attach
     raise AttributeError(name)
 
 
-__all__ = ["BUNDLED_MODEL", "LLM"]
+__all__ = ["BUNDLED_MODEL", "LLM", "attach"]

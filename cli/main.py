@@ -8,7 +8,11 @@ import importlib
 import click
 
 COMMANDS = {
+    "bench": ("preload.cli.bench", "bench", "Benchmarks: print a table, write JSON."),
     "demo": ("preload.cli.demo", "demo", "Show the product on the bundled model."),
+    "start": ("preload.cli.daemon", "start", "Start the daemon: load a checkpoint once, keep it resident."),
+    "status": ("preload.cli.daemon", "status", "Show what the daemon holds and who is attached."),
+    "stop": ("preload.cli.daemon", "stop", "Stop the daemon."),
 }
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from preload.kernels.quant import Weight, linear
+
 
 def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
     n_group = group_scores.shape[-1]
@@ -65,9 +67,9 @@ def route_sigmoid(
     return weights * scaling, ids
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x): the feed-forward of every dense layer and expert."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 Expert = Callable[[torch.Tensor], torch.Tensor]

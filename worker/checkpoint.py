@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from preload.kernels.fp8 import FP8, dequantize_block
+from preload.kernels.fp8 import FP8
+from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
 from preload.worker.config import ModelConfig
 from preload.worker.layout import checkpoint_shapes, mtp_shapes
-
-# Kept in float32 whatever the model dtype: routing decisions are sensitive to rounding.
-FLOAT32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
 
 
 class CheckpointError(ValueError):
@@ -40,6 +39,7 @@ class CheckpointReader:
     """Name -> file index over a checkpoint's safetensors files, read one tensor at a time (mmap)."""
 
     def __init__(self, model_dir: str | Path):
+        self.model_dir = model_dir
         self._stack = ExitStack()
         self.files: dict[str, tuple[Path, object]] = {}
         for path in safetensors_files(model_dir):
@@ -56,7 +56,7 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
-            raise CheckpointError(f"missing tensor {name}")
+            raise CheckpointError(f"{self.model_dir}: missing tensor {name}")
         path, handle = self.files[name]
         try:
             return handle.get_tensor(name)
@@ -81,29 +81,40 @@ def wanted_shapes(cfg: ModelConfig, reader: CheckpointReader) -> dict[str, tuple
     return checkpoint_shapes(cfg, with_mtp=with_mtp)
 
 
-def iter_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor the model needs, checked against the config.
-    Native FP8 weights come with their block scales dequantized to float32."""
+@dataclass
+class SourceTensor:
+    """One tensor as stored in the checkpoint (native FP8 comes with its block scales)."""
+
+    name: str
+    tensor: torch.Tensor
+    scale_inv: torch.Tensor | None
+    path: Path
+
+
+def iter_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> Iterator[SourceTensor]:
+    """Every tensor the model needs, one at a time, checked against the config."""
     with CheckpointReader(model_dir) as reader:
         for name, shape in wanted_shapes(cfg, reader).items():
-            tensor = reader.get(name)
+            tensor, scale_inv = reader.get(name), None
+            path = reader.files[name][0]
             if tensor.dtype == FP8:
-                scale_name = name + "_scale_inv"
+                scale_name = name + SCALE_SUFFIX
                 if cfg.fp8_block is None or scale_name not in reader:
-                    raise CheckpointError(f"tensor {name} is float8 but has no {scale_name} block scales")
-                tensor = dequantize_block(tensor, reader.get(scale_name), cfg.fp8_block, torch.float32)
+                    raise CheckpointError(f"{path}: tensor {name} is float8 but has no {scale_name} block scales")
+                scale_inv = reader.get(scale_name)
+            elif not tensor.is_floating_point():
+                raise CheckpointError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a float")
             if tuple(tensor.shape) != shape:
-                raise CheckpointError(
-                    f"{reader.files[name][0]}: tensor {name} has shape {tuple(tensor.shape)}, config expects {shape}"
-                )
-            if not tensor.is_floating_point():
-                raise CheckpointError(f"{reader.files[name][0]}: tensor {name} has dtype {tensor.dtype}, expected a float")
-            yield name, tensor
+                raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config expects {shape}")
+            yield SourceTensor(name, tensor, scale_inv, path)
 
 
-def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
-    """Every tensor the model needs, in `dtype` on `device` (router weights in float32)."""
-    return {
-        name: t.to(device=device, dtype=torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
-        for name, t in iter_checkpoint(model_dir, cfg)
-    }
+def load_checkpoint(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu", quant: str = "none"
+) -> dict[str, torch.Tensor]:
+    """Every tensor the model needs, quantized as asked, on `device`."""
+    weights = {}
+    for src in iter_checkpoint(model_dir, cfg):
+        scale = None if src.scale_inv is None else src.scale_inv.to(device)
+        weights |= quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
+    return weights

@@ -13,20 +13,51 @@ from dataclasses import dataclass
 
 import torch
 
+from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.worker.config import ModelConfig
 
 
+def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    if kv_cache_dtype == "fp8":
+        return num_layers * (width + 2 * 4)  # e4m3 values and one float32 scale per vector
+    return num_layers * width * dtype.itemsize
+
+
 class LatentCache:
-    def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device):
-        # One tensor per layer, so that training can write them under autograd.
-        self.c_kv = [torch.zeros(num_slots, cfg.kv_lora_rank, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k_pe = [torch.zeros(num_slots, cfg.qk_rope_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+    """Per-layer slot pools. With kv_cache_dtype "fp8" each cached vector is stored in
+    e4m3 with its own float32 scale (per token), and dequantized when read."""
+
+    def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+        self.dtype, self.fp8 = dtype, kv_cache_dtype == "fp8"
+        store = FP8 if self.fp8 else dtype
+
+        def pools(width: int, dtype: torch.dtype) -> list[torch.Tensor]:
+            # One tensor per layer, so that training can write them under autograd.
+            return [torch.zeros(num_slots, width, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.c_kv, self.k_pe = pools(cfg.kv_lora_rank, store), pools(cfg.qk_rope_head_dim, store)
+        if self.fp8:
+            self.c_kv_scale, self.k_pe_scale = pools(1, torch.float32), pools(1, torch.float32)
 
     def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        self.c_kv[layer][slots] = c_kv.to(self.c_kv[layer].dtype)
-        self.k_pe[layer][slots] = k_pe.to(self.k_pe[layer].dtype)
+        if self.fp8:
+            for pool, scales, x in ((self.c_kv, self.c_kv_scale, c_kv), (self.k_pe, self.k_pe_scale, k_pe)):
+                scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+                pool[layer][slots] = (x.float() / scale).to(FP8)
+                scales[layer][slots] = scale
+            return
+        self.c_kv[layer][slots] = c_kv.to(self.dtype)
+        self.k_pe[layer][slots] = k_pe.to(self.dtype)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fp8:
+            return tuple(
+                (pool[layer][slots].float() * scales[layer][slots]).to(self.dtype)
+                for pool, scales in ((self.c_kv, self.c_kv_scale), (self.k_pe, self.k_pe_scale))
+            )
         return self.c_kv[layer][slots], self.k_pe[layer][slots]
 
 

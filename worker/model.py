@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from preload.kernels.attention import mla_absorbed, mla_expanded
 from preload.kernels.moe import moe_experts, route_sigmoid, route_softmax, swiglu
 from preload.kernels.norm import rms_norm
+from preload.kernels.quant import BLOCK, Weight, dense, linear, linear_weight
 from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
 from preload.worker.config import ModelConfig
 from preload.worker.kv_cache import AttentionMeta, LatentCache
@@ -25,17 +26,23 @@ from preload.worker.layout import checkpoint_shapes, mtp_layer_index
 Weights = Mapping[str, torch.Tensor]
 
 
+def _proj(cfg: ModelConfig, w: Weights, name: str) -> Weight:
+    # Quantized matrices carry block scales; DeepSeek's checkpoints and our fp8_block
+    # mode both use 128x128 blocks unless a native checkpoint says otherwise.
+    return linear_weight(w, name, cfg.fp8_block or BLOCK)
+
+
 @dataclass
 class MLP:
     """SwiGLU feed-forward: a dense layer, one routed expert or the shared experts."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
     @classmethod
-    def load(cls, w: Weights, p: str) -> MLP:
-        return cls(w[f"{p}.gate_proj.weight"], w[f"{p}.up_proj.weight"], w[f"{p}.down_proj.weight"])
+    def load(cls, cfg: ModelConfig, w: Weights, p: str) -> MLP:
+        return cls(*(_proj(cfg, w, f"{p}.{part}_proj.weight") for part in ("gate", "up", "down")))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate, self.up, self.down)
@@ -48,8 +55,8 @@ class MoE:
         self.cfg = cfg
         self.gate = w[f"{p}.gate.weight"]
         self.bias = w.get(f"{p}.gate.e_score_correction_bias")
-        self.experts = [MLP.load(w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
-        self.shared = MLP.load(w, f"{p}.shared_experts") if cfg.n_shared_experts else None
+        self.experts = [MLP.load(cfg, w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
+        self.shared = MLP.load(cfg, w, f"{p}.shared_experts") if cfg.n_shared_experts else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -75,14 +82,16 @@ class Attention:
 
     def __init__(self, cfg: ModelConfig, w: Weights, p: str, layer: int):
         self.cfg, self.layer = cfg, layer
-        self.q_a = w.get(f"{p}.q_a_proj.weight")
-        self.q_a_norm = w.get(f"{p}.q_a_layernorm.weight")
-        self.q_b = w.get(f"{p}.q_b_proj.weight")
-        self.q = w.get(f"{p}.q_proj.weight")
-        self.kv_a = w[f"{p}.kv_a_proj_with_mqa.weight"]
+        if cfg.q_lora_rank:
+            self.q_a = _proj(cfg, w, f"{p}.q_a_proj.weight")
+            self.q_a_norm = w[f"{p}.q_a_layernorm.weight"]
+            self.q_b = _proj(cfg, w, f"{p}.q_b_proj.weight")
+        else:
+            self.q = _proj(cfg, w, f"{p}.q_proj.weight")
+        self.kv_a = _proj(cfg, w, f"{p}.kv_a_proj_with_mqa.weight")
         self.kv_a_norm = w[f"{p}.kv_a_layernorm.weight"]
-        self.kv_b = w[f"{p}.kv_b_proj.weight"]
-        self.o = w[f"{p}.o_proj.weight"]
+        self.kv_b = _proj(cfg, w, f"{p}.kv_b_proj.weight")
+        self.o = _proj(cfg, w, f"{p}.o_proj.weight")
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
 
     def __call__(
@@ -90,22 +99,22 @@ class Attention:
     ) -> torch.Tensor:
         c = self.cfg
         cos, sin = rope
-        if self.q is None:
-            q = F.linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps), self.q_b)
+        if c.q_lora_rank:
+            q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps), self.q_b)
         else:
-            q = F.linear(x, self.q)
+            q = linear(x, self.q)
         q_nope, q_pe = q.unflatten(-1, (c.num_heads, c.qk_head_dim)).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], c.rope.interleaved)
 
-        c_kv, k_pe = F.linear(x, self.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        c_kv, k_pe = linear(x, self.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = rms_norm(c_kv, self.kv_a_norm, c.rms_norm_eps)
         k_pe = apply_rope(k_pe, cos, sin, c.rope.interleaved)
         cache.write(self.layer, meta.slots, c_kv, k_pe)
 
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
         attend = mla_absorbed if meta.is_decode else mla_expanded
-        out = attend(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b, meta.mask, self.scale)
-        return F.linear(out[meta.q_valid].flatten(1), self.o)
+        out = attend(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, dense(self.kv_b, x.dtype), meta.mask, self.scale)
+        return linear(out[meta.q_valid].flatten(1), self.o)
 
 
 class Block:
@@ -117,7 +126,7 @@ class Block:
         self.attn_norm = w[f"{p}.input_layernorm.weight"]
         self.attn = Attention(cfg, w, f"{p}.self_attn", layer)
         self.ffn_norm = w[f"{p}.post_attention_layernorm.weight"]
-        self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(w, f"{p}.mlp")
+        self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(cfg, w, f"{p}.mlp")
 
     def __call__(self, x: torch.Tensor, rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
         x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, meta, cache)

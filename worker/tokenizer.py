@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
 
 def _token_text(value) -> str | None:
     # tokenizer_config.json writes special tokens as strings or as AddedToken dicts.
@@ -14,20 +16,25 @@ def _token_text(value) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: not found; the checkpoint needs a tokenizer.json")
-        self._tok = _HFTokenizer.from_file(str(path))
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    def __init__(self, tokenizer_json: str, config: dict):
+        """From the text of tokenizer.json and the parsed tokenizer_config.json."""
+        self._tok = _HFTokenizer.from_str(tokenizer_json)
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: not found; the checkpoint needs a tokenizer.json")
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls(path.read_text(), config)
 
     @property
     def vocab_size(self) -> int:

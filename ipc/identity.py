@@ -1,0 +1,94 @@
+"""What the daemon holds, exactly: a fingerprint over every weight's bytes.
+
+While loading, the daemon hashes each tensor as read (the bytes pass through
+anyway), and records per checkpoint file its identity on disk (device, inode, size,
+mtime) next to the digests of the tensors it read from it. A client naming a model
+directory is checked against that record: files with the same identity are trusted
+without being read again (restarts stay fast); any other file is re-hashed, so a
+copy is accepted and a checkpoint that differs in a single value is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from preload.worker.checkpoint import CheckpointError, iter_checkpoint
+from preload.worker.config import ModelConfig
+from preload.worker.tokenizer import TOKENIZER_FILES
+
+AUX_FILES = ("config.json", *TOKENIZER_FILES)
+
+
+class IdentityError(ValueError):
+    """The model a client asked for is not the one the daemon holds."""
+
+
+def tensor_digest(tensor: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str:
+    h = hashlib.sha256()  # hashlib releases the GIL on large buffers: loader threads hash in parallel
+    for t in (tensor, scale_inv):
+        if t is not None:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def file_identity(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def aux_digests(model_dir: Path) -> dict[str, str]:
+    return {
+        name: hashlib.sha256((model_dir / name).read_bytes()).hexdigest()
+        for name in AUX_FILES
+        if (model_dir / name).exists()
+    }
+
+
+def fingerprint(aux: dict[str, str], tensors: dict[str, str], settings: dict) -> str:
+    """One digest over the config and tokenizer files, every tensor digest, and the
+    settings (quant mode, dtype) that shaped the stored weights."""
+    record = json.dumps({"aux": aux, "tensors": tensors, "settings": settings}, sort_keys=True)
+    return hashlib.sha256(record.encode()).hexdigest()
+
+
+def checkpoint_record(model_dir: Path, digests: dict[str, str], sources: dict[str, Path]) -> dict:
+    """The identity record kept in the manifest: per file, its identity and the
+    digests of the tensors read from it."""
+    files: dict[str, dict] = {}
+    for name, path in sources.items():
+        rel = str(path.relative_to(model_dir))
+        entry = files.setdefault(rel, {"identity": file_identity(path), "tensors": {}})
+        entry["tensors"][name] = digests[name]
+    return {"aux": aux_digests(model_dir), "files": files}
+
+
+def verify_checkpoint(model_dir: str | Path, record: dict) -> None:
+    """Raise IdentityError, naming what differs, unless `model_dir` holds exactly the
+    checkpoint described by `record`."""
+    model_dir = Path(model_dir).resolve()
+    aux = aux_digests(model_dir)
+    for name in sorted(set(aux) | set(record["aux"])):
+        if aux.get(name) != record["aux"].get(name):
+            raise IdentityError(f"{model_dir / name} differs from the daemon's copy")
+    stale = {}
+    for rel, entry in record["files"].items():
+        path = model_dir / rel
+        if not path.exists():
+            raise IdentityError(f"{path}: missing; the daemon loaded a checkpoint with this file")
+        if file_identity(path) != entry["identity"]:
+            stale |= entry["tensors"]
+    if not stale:
+        return
+    cfg = ModelConfig.from_dir(model_dir)
+    try:
+        for src in iter_checkpoint(model_dir, cfg):
+            if src.name in stale and tensor_digest(src.tensor, src.scale_inv) != stale[src.name]:
+                raise IdentityError(f"{src.path}: tensor {src.name} differs from the daemon's copy")
+    except CheckpointError as e:
+        raise IdentityError(f"{model_dir} is not the daemon's checkpoint: {e}") from None

@@ -1,0 +1,81 @@
+"""The control protocol between the daemon and its clients.
+
+Requests and replies are msgpack maps carrying the protocol version `v`; never
+pickle. Requests travel over a ZeroMQ socket (`control.sock`); arena file
+descriptors over a Unix socket beside it (`fds.sock`) with SCM_RIGHTS. Both live in
+the state dir (0700) with mode 0600, and the daemon checks each peer's uid.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+OPS = ("hello", "manifest", "status", "release", "shutdown")
+MAX_MESSAGE = 64 << 20  # a manifest of a very large model stays far below this
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+def default_state_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "preload" if runtime else Path(f"/tmp/preload-{os.getuid()}")
+
+
+def control_address(state_dir: Path) -> str:
+    return f"ipc://{state_dir / 'control.sock'}"
+
+
+def fd_socket_path(state_dir: Path) -> Path:
+    return state_dir / "fds.sock"
+
+
+def encode(msg: dict) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, **msg}, use_bin_type=True)
+
+
+def decode(data: bytes) -> dict:
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(f"malformed message: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("malformed message: not a map")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r} not supported; this daemon speaks {PROTOCOL_VERSION}")
+    return msg
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def send_with_fds(sock: socket.socket, msg: dict, fds: list[int]) -> None:
+    data = encode(msg)
+    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], fds)
+
+
+def recv_with_fds(sock: socket.socket, max_fds: int = 16) -> tuple[dict, list[int]]:
+    """One length-prefixed message and the fds that came with it."""
+    first, fds, _, _ = socket.recv_fds(sock, 1 << 16, max_fds)
+    if len(first) < 4:
+        raise ProtocolError("short message on the fd socket")
+    (length,) = struct.unpack("!I", first[:4])
+    data = first[4:]
+    while len(data) < length:
+        chunk = sock.recv(length - len(data))
+        if not chunk:
+            raise ProtocolError("fd socket closed mid-message")
+        data += chunk
+    return decode(data), fds

@@ -1,0 +1,102 @@
+"""Weight quantization as the daemon stores it, and the linear layer that reads it.
+
+Modes: `none` (float weights), `fp8_per_tensor` (e4m3, one scale per matrix) and
+`fp8_block` (e4m3 with a scale per 128x128 block, DeepSeek's layout). A quantized
+matrix `name` is stored as e4m3 `name` plus float32 `name + "_scale_inv"`, with
+W ~= Q * scale_inv; a per-tensor scale is a single block covering the matrix.
+Embeddings, norms, the router and the output heads always stay in high precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from preload.kernels.fp8 import FP8, dequantize_block, quantize_block
+
+QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+# Kept in float32 whatever the model dtype: routing decisions are sensitive to rounding.
+FLOAT32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
+
+
+def is_quantizable(name: str) -> bool:
+    """The projection matrices of attention, dense MLPs and experts; not the MTP's
+    eh_proj, which DeepSeek keeps in bf16 like the embeddings and heads."""
+    return name.endswith("proj.weight") and not name.endswith("eh_proj.weight")
+
+
+def high_precision_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
+
+
+def quantize_weight(
+    name: str,
+    tensor: torch.Tensor,
+    scale_inv: torch.Tensor | None,
+    source_block: tuple[int, int] | None,
+    mode: str,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """The stored form of one checkpoint tensor under `mode`: {name: weight} or
+    {name: e4m3, name_scale_inv: scales}. `scale_inv` is given for native FP8 input,
+    which stays as it is when the target is the same block layout."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quant mode {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+    if scale_inv is not None and mode == "fp8_block" and source_block == BLOCK:
+        return {name: tensor, name + SCALE_SUFFIX: scale_inv.float()}
+    if scale_inv is not None:
+        tensor = dequantize_block(tensor, scale_inv, source_block, torch.float32)
+    if mode == "none" or not is_quantizable(name):
+        return {name: tensor.to(high_precision_dtype(name, dtype))}
+    block = BLOCK if mode == "fp8_block" else tuple(tensor.shape)
+    q, s = quantize_block(tensor, block)
+    return {name: q, name + SCALE_SUFFIX: s}
+
+
+@dataclass
+class Fp8Weight:
+    """An e4m3 matrix with its block scales (a [1, 1] scale is one per tensor)."""
+
+    q: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.scale_inv.numel() == 1:
+            return (self.q.float() * self.scale_inv.float().reshape(())).to(dtype)
+        return dequantize_block(self.q, self.scale_inv, self.block, dtype)
+
+
+Weight = torch.Tensor | Fp8Weight
+
+
+def linear_weight(weights, name: str, block: tuple[int, int]) -> Weight:
+    """The matrix `name` from a weights mapping, wrapped with its scales when quantized."""
+    w = weights[name]
+    if w.dtype == FP8:
+        return Fp8Weight(w, weights[name + SCALE_SUFFIX], block)
+    return w
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ W^T. Reference path: FP8 weights are dequantized on the fly; GPU kernels
+    that read e4m3 directly replace this behind the same call."""
+    return F.linear(x, dense(w, x.dtype))
+
+
+def stored_layout(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What `quantize_weight` will produce for a tensor, known before reading it, so
+    the daemon can size and lay out its arena up front."""
+    if mode == "none" or not is_quantizable(name):
+        return {name: (high_precision_dtype(name, dtype), shape)}
+    block = BLOCK if mode == "fp8_block" else shape
+    scales = tuple(-(-n // b) for n, b in zip(shape, block))
+    return {name: (FP8, shape), name + SCALE_SUFFIX: (torch.float32, scales)}

@@ -1,0 +1,207 @@
+"""The preload daemon: owns the state dir, loads the weights once, serves them.
+
+Lifecycle: take the state dir's lock, start /health (503 while loading), load the
+checkpoint into a sealed arena, open the control sockets, report ready, then serve
+until SIGTERM/SIGINT or a `shutdown` request. Whatever happens, it leaves no
+sockets or arenas behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from preload.ipc.protocol import fd_socket_path
+from preload.preloadd.control import ControlServer, PeerPolicy
+from preload.preloadd.health import DaemonMetrics, HttpServer, bind, make_app
+from preload.preloadd.loader import Loaded, Progress, load
+
+log = logging.getLogger("preload.daemon")
+
+
+class DaemonError(RuntimeError):
+    """A start-up failure with a one-line explanation for the operator."""
+
+
+@dataclass
+class DaemonOptions:
+    model: Path
+    quant: str
+    device: torch.device
+    dtype: torch.dtype
+    transport: str
+    state_dir: Path
+    health_host: str = "127.0.0.1"
+    health_port: int = 8001
+    allow_uids: set[int] = field(default_factory=set)
+    allow_gids: set[int] = field(default_factory=set)
+
+
+def prepare_state_dir(path: Path) -> None:
+    """Create the state dir 0700, or check that an existing one is ours and private."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+class StateDirLock:
+    """An flock on state_dir/daemon.lock, holding the daemon's pid; the kernel drops
+    it when the daemon dies, however it dies."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / "daemon.lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode().strip() or "?"
+            os.close(self.fd)
+            raise DaemonError(f"another preload daemon (pid {holder}) is running on state dir {state_dir}") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.ftruncate(self.fd, 0)
+        os.close(self.fd)
+
+
+class Daemon:
+    def __init__(self, opts: DaemonOptions):
+        self.opts = opts
+        self.state = "starting"
+        self.error: str | None = None
+        self.progress = Progress()
+        self.loaded: Loaded | None = None
+        self.clients: dict[int, float] = {}  # attached pid -> since
+        self.started = time.time()
+        self.metrics = DaemonMetrics()
+        self.stop_requested = threading.Event()
+        self.control: ControlServer | None = None
+        self.errors = 0
+
+    # ---- requests -------------------------------------------------------------
+
+    def handle(self, msg: dict, pid: int) -> dict:
+        op = msg["op"]
+        if op == "status":
+            return {"status": self.status()}
+        if op == "hello":
+            self.clients[pid] = time.time()
+            self.metrics.attaches.inc()
+            return {"fingerprint": self.loaded.manifest["fingerprint"], "pid": os.getpid()}
+        if op == "manifest":
+            return {"manifest": self.loaded.manifest}
+        if op == "release":
+            self.clients.pop(pid, None)
+            return {}
+        if op == "shutdown":
+            log.info("shutdown requested by pid %d", pid)
+            self.stop_requested.set()
+            return {}
+        raise AssertionError(op)
+
+    def arena_fds(self) -> tuple[dict, list[int]]:
+        return self.loaded.arena.handle(), self.loaded.arena.fds()
+
+    def attached(self) -> list[int]:
+        for pid in [p for p in self.clients if not psutil.pid_exists(p)]:
+            del self.clients[pid]
+        self.metrics.attached.set(len(self.clients))
+        return sorted(self.clients)
+
+    def status(self) -> dict:
+        o = self.opts
+        m = self.loaded.manifest if self.loaded else {}
+        resident = self.loaded.arena.size if self.loaded else 0
+        return {
+            "state": self.state,
+            "error": self.error,
+            "pid": os.getpid(),
+            "model": str(o.model),
+            "quant": o.quant,
+            "dtype": str(o.dtype).removeprefix("torch."),
+            "device": str(o.device),
+            "transport": o.transport,
+            "state_dir": str(o.state_dir),
+            "bytes_per_device": {str(o.device): resident},
+            "fingerprint": m.get("fingerprint"),
+            "attached_workers": self.attached(),
+            "uptime_s": round(time.time() - self.started, 3),
+            "load_seconds": self.progress.seconds,
+            "progress": self.progress.as_dict(),
+            "errors": self.errors,
+        }
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    def run(self, notify: Callable[[dict], None]) -> None:
+        """Start, report ready through `notify`, serve until asked to stop, clean up."""
+        o = self.opts
+        prepare_state_dir(o.state_dir)
+        lock = StateDirLock(o.state_dir)
+        http = None
+        try:
+            for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
+                stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
+            try:
+                http = HttpServer(make_app(self.status, self.metrics), bind(o.health_host, o.health_port))
+            except OSError as e:
+                raise DaemonError(f"health port: {e}") from None
+            self._install_signal_handlers()
+            self.state = "loading"
+            log.info("loading %s (quant %s, %s, %s)", o.model, o.quant, o.dtype, o.device)
+            last = [0.0]
+
+            def on_progress(p: Progress) -> None:
+                if time.monotonic() - last[0] > 0.2:
+                    last[0] = time.monotonic()
+                    notify({"progress": p.done_bytes, "total": p.total_bytes})
+
+            self.loaded = load(o.model, o.quant, o.dtype, o.device, o.transport, self.progress, on_progress)
+            self.metrics.load_seconds.set(self.progress.seconds)
+            self.metrics.resident_bytes.labels(str(o.device)).set(self.loaded.arena.size)
+            policy = PeerPolicy(o.allow_uids, o.allow_gids)
+            self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
+            self.state = "ready"
+            fp = self.loaded.manifest["fingerprint"]
+            log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
+            notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds})
+            while not self.stop_requested.wait(0.5):
+                pass
+            self.state = "stopping"
+            log.info("stopping")
+        finally:
+            if self.control:
+                self.control.close()
+            if self.loaded:
+                self.loaded.arena.close()
+            if http:
+                http.close()
+            lock.release()
+
+    def _on_error(self) -> None:
+        self.errors += 1
+        self.metrics.errors.inc()
+
+    def _install_signal_handlers(self) -> None:
+        def stop(signum, _frame):
+            log.info("received %s", signal.Signals(signum).name)
+            self.stop_requested.set()
+            if self.state == "loading":
+                raise KeyboardInterrupt  # abandon the load; run()'s cleanup still happens
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)

@@ -1,0 +1,71 @@
+"""The daemon's HTTP face for probes and dashboards: /health, /status, /metrics."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class DaemonMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.load_seconds = Gauge("preload_load_seconds", "Seconds from start to all weights resident", registry=self.registry)
+        self.resident_bytes = Gauge("preload_resident_bytes", "Bytes of weights resident in arenas", ["device"], registry=self.registry)
+        self.attaches = Counter("preload_attaches", "Clients that attached to the weights", registry=self.registry)
+        self.errors = Counter("preload_errors", "Refused or malformed control requests", registry=self.registry)
+        self.attached = Gauge("preload_attached_clients", "Clients attached now", registry=self.registry)
+
+
+def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> FastAPI:
+    app = FastAPI(title="preload daemon", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        s = status()
+        ready = s["state"] == "ready"
+        body = {"status": s["state"]} | ({} if ready else {"progress": s.get("progress")})
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/status")
+    def status_route() -> JSONResponse:
+        return JSONResponse(status())
+
+    @app.get("/metrics")
+    def metrics_route() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before starting the server, so that a taken port is a clear start-up error."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+class HttpServer:
+    """uvicorn in a background thread over an already bound socket."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket):
+        self.sock = sock
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.sock.close()

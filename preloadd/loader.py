@@ -1,0 +1,127 @@
+"""Load a checkpoint into an arena: read each tensor once, hash it, quantize it, store it.
+
+The arena is sized and laid out from the config before any weight is read, so a
+checkpoint that cannot fit fails before memory is taken, and peak host memory stays
+near the largest tensor rather than the model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from preload.ipc.arena import TensorEntry, create_arena, pack
+from preload.ipc.identity import checkpoint_record, fingerprint, tensor_digest
+from preload.kernels.quant import quantize_weight, stored_layout
+from preload.worker.checkpoint import CheckpointReader, iter_checkpoint, wanted_shapes
+from preload.worker.config import ModelConfig
+from preload.worker.tokenizer import TOKENIZER_FILES
+
+FILE_PREFIX = "files/"  # arena entries holding the checkpoint's small text files, as bytes
+
+
+class LoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class Progress:
+    total_bytes: int = 0
+    done_bytes: int = 0
+    tensors_total: int = 0
+    tensors_done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    seconds: float | None = None  # set once loaded
+
+    def as_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "done_bytes": self.done_bytes,
+            "tensors_total": self.tensors_total,
+            "tensors_done": self.tensors_done,
+            "fraction": self.done_bytes / self.total_bytes if self.total_bytes else 0.0,
+        }
+
+
+@dataclass
+class Loaded:
+    arena: object
+    manifest: dict
+
+
+def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> tuple[list[TensorEntry], int, dict[str, bytes]]:
+    """Arena entries for every stored tensor and for the tokenizer/config files."""
+    with CheckpointReader(model_dir) as reader:
+        shapes = wanted_shapes(cfg, reader)
+    specs = [
+        (name, stored_dtype, stored_shape)
+        for source, shape in shapes.items()
+        for name, (stored_dtype, stored_shape) in stored_layout(source, shape, quant, dtype).items()
+    ]
+    files = {name: (model_dir / name).read_bytes() for name in ("config.json", *TOKENIZER_FILES) if (model_dir / name).exists()}
+    specs += [(FILE_PREFIX + name, torch.uint8, (len(data),)) for name, data in files.items()]
+    entries, size = pack(specs)
+    return entries, size, files
+
+
+def check_memory(size: int, device: torch.device) -> None:
+    if device.type == "cpu":
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise LoadError(f"not enough host memory for the arena: need {size / 2**30:.2f} GiB, {available / 2**30:.2f} GiB available")
+
+
+def load(
+    model_dir: Path,
+    quant: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    transport: str,
+    progress: Progress,
+    on_progress: Callable[[Progress], None] = lambda p: None,
+) -> Loaded:
+    cfg = ModelConfig.from_dir(model_dir)
+    entries, size, files = plan(cfg, model_dir, quant, dtype)
+    by_name = {e.name: e for e in entries}
+    progress.total_bytes, progress.tensors_total = size, len(entries)
+    check_memory(size, device)
+    arena = create_arena(transport, size, device)
+    try:
+        digests, sources = {}, {}
+        for src in iter_checkpoint(model_dir, cfg):
+            digests[src.name], sources[src.name] = tensor_digest(src.tensor, src.scale_inv), src.path
+            scale = None if src.scale_inv is None else src.scale_inv.to(device)
+            stored = quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
+            for name, tensor in stored.items():
+                arena.write(by_name[name], tensor)
+                progress.done_bytes += by_name[name].nbytes
+                progress.tensors_done += 1
+            on_progress(progress)
+        for name, data in files.items():
+            arena.write(by_name[FILE_PREFIX + name], torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            progress.tensors_done += 1
+        arena.seal()
+    except BaseException:
+        arena.close()  # the last fd: the memory is gone with it
+        raise
+    progress.done_bytes = size
+    progress.seconds = time.monotonic() - progress.started
+    settings = {"quant": quant, "dtype": str(dtype).removeprefix("torch.")}
+    record = checkpoint_record(model_dir, digests, sources)
+    manifest = {
+        "model": str(model_dir),
+        "config": json.loads(files["config.json"]),
+        **settings,
+        "device": str(device),
+        "arena": arena.handle(),
+        "tensors": [e.to_wire() for e in entries],
+        "record": record,
+        "fingerprint": fingerprint(record["aux"], digests, settings),
+    }
+    return Loaded(arena, manifest)

@@ -1,0 +1,83 @@
+"""`attach(state_dir)`: the daemon's weights as a read-only name -> tensor mapping, zero-copy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from preload.ipc.arena import ArenaError, MappedArena, TensorEntry, tensor_views
+from preload.ipc.client import DaemonClient
+from preload.ipc.protocol import default_state_dir
+from preload.preloadd.loader import FILE_PREFIX
+
+
+def check_entries(entries: list[TensorEntry], size: int) -> None:
+    """A manifest must describe tensors inside the arena that do not overlap."""
+    end = 0
+    for e in sorted(entries, key=lambda e: e.offset):
+        if e.offset < end or e.offset + e.nbytes > size:
+            raise ArenaError(f"manifest entry {e.name} at [{e.offset}, {e.offset + e.nbytes}) is outside the arena or overlaps")
+        end = e.offset + e.nbytes
+
+
+class AttachedWeights(Mapping[str, torch.Tensor]):
+    """Read-only views of the daemon's arena. `manifest` says what was loaded and how;
+    `fingerprint` identifies the exact bytes; `files` holds config and tokenizer files."""
+
+    def __init__(self, state_dir: Path, manifest: dict, arena: MappedArena, client: DaemonClient):
+        self.state_dir, self.manifest, self._arena, self._client = state_dir, manifest, arena, client
+        entries = [TensorEntry.from_wire(e) for e in manifest["tensors"]]
+        check_entries(entries, arena.size)
+        views = tensor_views(arena.base, entries)
+        self.files = {k.removeprefix(FILE_PREFIX): bytes(v.numpy()) for k, v in views.items() if k.startswith(FILE_PREFIX)}
+        self._tensors = {k: v for k, v in views.items() if not k.startswith(FILE_PREFIX)}
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.files["config.json"])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def close(self) -> None:
+        """Tell the daemon we are done; views already handed out stay valid until freed."""
+        if self._client is not None:
+            try:
+                self._client.request("release")
+            finally:
+                self._client.close()
+                self._client = None
+                self._arena.close()
+
+    def __enter__(self) -> AttachedWeights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def attach(state_dir: str | Path | None = None, timeout: float = 10.0) -> AttachedWeights:
+    state_dir = Path(state_dir) if state_dir else default_state_dir()
+    client = DaemonClient(state_dir, timeout)
+    try:
+        client.request("hello")
+        manifest = client.request("manifest")["manifest"]
+        handle, fds = client.arena_fds()
+        arena = MappedArena(handle, fds)
+        return AttachedWeights(state_dir, manifest, arena, client)
+    except BaseException:
+        client.close()
+        raise
