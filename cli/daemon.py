@@ -11,20 +11,9 @@ from pathlib import Path
 
 import click
 
-from preload.ipc.protocol import default_state_dir
+from preload.cli.options import engine_options, serve_options, state_dir_option, state_dir_path
 
 QUANTS = ("none", "fp8_per_tensor", "fp8_block")
-state_dir_option = click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID].",
-)
-
-
-def _state_dir(value: Path | None) -> Path:
-    return (value or default_state_dir()).absolute()
-
 
 @click.command()
 @click.option("--model", type=click.Path(path_type=Path), default=None, help="Checkpoint dir [default: the bundled model].")
@@ -39,47 +28,71 @@ def _state_dir(value: Path | None) -> Path:
 @click.option("--health-port", type=click.IntRange(0, 65535), default=8001, show_default=True)
 @click.option("--allow-uid", type=int, multiple=True, help="Also let this uid attach (repeatable).")
 @click.option("--allow-gid", type=int, multiple=True, help="Also let members of this gid attach (repeatable).")
+@click.option("--workers", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Engine workers to run and supervise (0: hold the weights only).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="API host of the workers.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="API port, owned by the daemon.")
+@click.option("--no-zygote", is_flag=True, help="Start workers as fresh processes instead of forking them (slower).")
+@engine_options
 @click.option("--foreground", is_flag=True, help="Run in this process instead of returning once ready.")
-@click.option("--notify-fd", type=int, default=None, hidden=True)
-def start(model, quant, device, dtype, transport, state_dir, health_host, health_port, allow_uid, allow_gid, foreground, notify_fd):
+@click.pass_context
+def start(ctx, foreground, **params):
     """Load a checkpoint once and keep its weights resident for workers to attach."""
-    state_dir = _state_dir(state_dir)
     if not foreground:
-        args = ["--quant", quant, "--device", device, "--dtype", dtype, "--transport", transport,
-                "--state-dir", str(state_dir), "--health-host", health_host, "--health-port", str(health_port)]
-        args += ["--model", str(Path(model).absolute())] if model else []
-        args += [a for uid in allow_uid for a in ("--allow-uid", str(uid))]
-        args += [a for gid in allow_gid for a in ("--allow-gid", str(gid))]
-        sys.exit(_start_in_background(args, state_dir))
-    sys.exit(_run_foreground(model, quant, device, dtype, transport, state_dir, health_host, health_port,
-                             set(allow_uid), set(allow_gid), notify_fd))
+        sys.exit(_start_in_background(_as_args(ctx.command, params), state_dir_path(params["state_dir"])))
+    sys.exit(run_daemon(params))
 
 
-def _run_foreground(model, quant, device, dtype, transport, state_dir, health_host, health_port, uids, gids, notify_fd) -> int:
+def _as_args(command: click.Command, params: dict) -> list[str]:
+    """The command-line flags that reproduce `params` (for the detached daemon)."""
+    args = []
+    for p in command.params:
+        value = params.get(p.name)
+        if not isinstance(p, click.Option) or value is None or p.name == "foreground":
+            continue
+        flag = p.opts[0]
+        if p.is_flag:
+            args += [flag] if value else []
+        elif p.multiple:
+            args += [a for v in value for a in (flag, str(v))]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def run_daemon(params: dict, notify_fd: int | None = None) -> int:
     import logging
 
     from preload import BUNDLED_MODEL
     from preload.preloadd.daemon import Daemon, DaemonOptions
     from preload.worker.config import ModelConfig
     from preload.worker.llm import resolve_device, resolve_dtype
+    from preload.worker.serve import spec_of
 
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
+    p = params
+    state_dir = state_dir_path(p["state_dir"])
     try:
-        model = Path(model or BUNDLED_MODEL).absolute()
-        dev = resolve_device(device)
+        model = Path(p["model"] or BUNDLED_MODEL).absolute()
+        dev = resolve_device(p["device"])
         cfg = ModelConfig.from_dir(model)
         options = DaemonOptions(
             model=model,
-            quant=quant,
+            quant=p["quant"],
             device=dev,
-            dtype=resolve_dtype(None if dtype == "auto" else dtype, dev, cfg),
-            transport="memfd" if transport == "auto" else transport,
+            dtype=resolve_dtype(None if p["dtype"] == "auto" else p["dtype"], dev, cfg),
+            transport="memfd" if p["transport"] == "auto" else p["transport"],
             state_dir=state_dir,
-            health_host=health_host,
-            health_port=health_port,
-            allow_uids=uids,
-            allow_gids=gids,
+            health_host=p["health_host"],
+            health_port=p["health_port"],
+            allow_uids=set(p["allow_uid"]),
+            allow_gids=set(p["allow_gid"]),
+            workers=p["workers"],
+            api_host=p["host"],
+            api_port=p["port"],
+            worker_spec=spec_of(serve_options(state_dir, None, p["host"], p["port"], p)),
+            use_zygote=not p["no_zygote"],
         )
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         _log_to(state_dir / "daemon.log", to_stderr=notify_fd is None)
@@ -124,7 +137,7 @@ def _start_in_background(args: list[str], state_dir: Path) -> int:
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = state_dir / "daemon.log"
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "preload.cli.main", "start", *args, "--foreground", "--notify-fd", str(write_fd)]
+    cmd = [sys.executable, "-m", "preload.cli.daemon", str(write_fd), *args]
     # The daemon's own stderr goes to its log, so that even a crash at import is on record.
     with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         proc = subprocess.Popen(
@@ -144,7 +157,8 @@ def _start_in_background(args: list[str], state_dir: Path) -> int:
             elif "ready" in msg:
                 if bar:
                     bar.close()
-                click.echo(f"preload daemon ready (pid {msg['pid']}) in {msg['seconds']:.2f} s on {state_dir}")
+                workers = f", {msg['workers']} workers on port {msg['port']}" if msg.get("workers") else ""
+                click.echo(f"preload daemon ready (pid {msg['pid']}) in {msg['seconds']:.2f} s on {state_dir}{workers}")
                 return 0
             elif "error" in msg:
                 if bar:
@@ -164,7 +178,7 @@ def status(state_dir, as_json):
     """Show what the daemon holds and who is attached."""
     from preload.ipc.client import DaemonClient, DaemonUnavailable
 
-    state_dir = _state_dir(state_dir)
+    state_dir = state_dir_path(state_dir)
     try:
         with DaemonClient(state_dir, timeout=5) as client:
             s = client.request("status")["status"]
@@ -178,6 +192,9 @@ def status(state_dir, as_json):
     click.echo(f"{s['state']}: {s['model']} ({s['quant']}, {s['dtype']}) on {s['device']} via {s['transport']}")
     click.echo(f"  {gib:.3f} GiB resident, fingerprint {s['fingerprint']}")
     click.echo(f"  pid {s['pid']}, up {s['uptime_s']:.0f} s, loaded in {s['load_seconds']:.2f} s, attached: {s['attached_workers'] or 'none'}")
+    for w in s["workers"]:
+        click.echo(f"  worker {w['slot']}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
+                   f"{w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
 
 
 @click.command()
@@ -187,7 +204,7 @@ def stop(state_dir, timeout):
     """Stop the daemon; its weights are freed once the last attached worker lets go."""
     from preload.ipc.client import DaemonClient, DaemonUnavailable
 
-    state_dir = _state_dir(state_dir)
+    state_dir = state_dir_path(state_dir)
     try:
         with DaemonClient(state_dir, timeout=5) as client:
             pid = client.request("status")["status"]["pid"]
@@ -204,6 +221,35 @@ def stop(state_dir, timeout):
     click.echo(f"preload daemon (pid {pid}) stopped")
 
 
+@click.command()
+@state_dir_option
+@click.option("--now", is_flag=True, help="Kill the workers and replace them at once, instead of a rolling restart.")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for every worker to be replaced.")
+def restart(state_dir, now, timeout):
+    """Replace the daemon's workers: one at a time, each replacement ready before the old one drains."""
+    from preload.ipc.client import DaemonClient, DaemonError, DaemonUnavailable
+
+    state_dir = state_dir_path(state_dir)
+    t0 = time.monotonic()
+    try:
+        with DaemonClient(state_dir, timeout=5) as client:
+            before = {w["slot"]: w["pid"] for w in client.request("status")["status"]["workers"]}
+            client.request("restart", now=now)
+            while True:
+                workers = client.request("status")["status"]["workers"]
+                if all(w["pid"] not in (None, before.get(w["slot"])) and w["state"] == "ready" for w in workers):
+                    break
+                if time.monotonic() - t0 > timeout:
+                    click.echo(f"preload: workers not all replaced within {timeout:.0f} s", err=True)
+                    sys.exit(1)
+                time.sleep(0.02)
+    except (DaemonUnavailable, DaemonError) as e:
+        click.echo(f"preload: {e}", err=True)
+        sys.exit(1)
+    pids = ", ".join(str(w["pid"]) for w in workers)
+    click.echo(f"{len(workers)} workers replaced in {time.monotonic() - t0:.2f} s (pids {pids})")
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
@@ -211,3 +257,10 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+if __name__ == "__main__":
+    # The detached daemon of `preload start`: argv is the notify fd, then start's flags.
+    fd = int(sys.argv[1])
+    ctx = start.make_context("preload start", sys.argv[2:])
+    sys.exit(run_daemon(ctx.params, fd))

@@ -10,6 +10,8 @@ import click
 COMMANDS = {
     "bench": ("preload.cli.bench", "bench", "Benchmarks: print a table, write JSON."),
     "demo": ("preload.cli.demo", "demo", "Show the product on the bundled model."),
+    "restart": ("preload.cli.daemon", "restart", "Replace the daemon's workers (rolling, or --now)."),
+    "serve": ("preload.cli.serve", "serve", "Serve the OpenAI-compatible API from the daemon's weights."),
     "start": ("preload.cli.daemon", "start", "Start the daemon: load a checkpoint once, keep it resident."),
     "status": ("preload.cli.daemon", "status", "Show what the daemon holds and who is attached."),
     "stop": ("preload.cli.daemon", "stop", "Stop the daemon."),

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 
 PROTOCOL_VERSION = 1
-OPS = ("hello", "manifest", "status", "release", "shutdown")
+OPS = ("hello", "manifest", "status", "release", "shutdown", "worker_ready", "restart")
 MAX_MESSAGE = 64 << 20  # a manifest of a very large model stays far below this
 
 

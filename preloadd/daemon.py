@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from preload.ipc.protocol import fd_socket_path
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import DaemonMetrics, HttpServer, bind, make_app
 from preload.preloadd.loader import Loaded, Progress, load
+from preload.preloadd.supervisor import Supervisor
 
 log = logging.getLogger("preload.daemon")
 
@@ -45,6 +47,12 @@ class DaemonOptions:
     health_port: int = 8001
     allow_uids: set[int] = field(default_factory=set)
     allow_gids: set[int] = field(default_factory=set)
+    workers: int = 0  # engine workers to supervise (0: weights only)
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    worker_spec: dict = field(default_factory=dict)  # the workers' serve options (see worker/serve.py)
+    use_zygote: bool = True
+    ready_timeout: float = 300.0
 
 
 def prepare_state_dir(path: Path) -> None:
@@ -90,6 +98,7 @@ class Daemon:
         self.metrics = DaemonMetrics()
         self.stop_requested = threading.Event()
         self.control: ControlServer | None = None
+        self.supervisor: Supervisor | None = None
         self.errors = 0
 
     # ---- requests -------------------------------------------------------------
@@ -106,6 +115,14 @@ class Daemon:
             return {"manifest": self.loaded.manifest}
         if op == "release":
             self.clients.pop(pid, None)
+            return {}
+        if op == "worker_ready":
+            return {"known": self.supervisor is not None and self.supervisor.mark_ready(pid)}
+        if op == "restart":
+            if self.supervisor is None:
+                return {"ok": False, "error": "this daemon runs no workers (start it with --workers N)"}
+            drain = self.opts.worker_spec.get("drain_timeout", 30.0)
+            threading.Thread(target=self.supervisor.restart, args=(bool(msg.get("now")), drain), daemon=True).start()
             return {}
         if op == "shutdown":
             log.info("shutdown requested by pid %d", pid)
@@ -143,6 +160,8 @@ class Daemon:
             "load_seconds": self.progress.seconds,
             "progress": self.progress.as_dict(),
             "errors": self.errors,
+            "workers": self.supervisor.status() if self.supervisor else [],
+            "zygote_restarts": self.supervisor.zygote_restarts if self.supervisor else 0,
         }
 
     # ---- lifecycle ------------------------------------------------------------
@@ -152,7 +171,7 @@ class Daemon:
         o = self.opts
         prepare_state_dir(o.state_dir)
         lock = StateDirLock(o.state_dir)
-        http = None
+        http = api = None
         try:
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
@@ -160,6 +179,11 @@ class Daemon:
                 http = HttpServer(make_app(self.status, self.metrics), bind(o.health_host, o.health_port))
             except OSError as e:
                 raise DaemonError(f"health port: {e}") from None
+            if o.workers:
+                try:  # bound now, so that clients queue in its backlog from the start
+                    api = socket.create_server((o.api_host, o.api_port), backlog=1024)
+                except OSError as e:
+                    raise DaemonError(f"API port: cannot listen on {o.api_host}:{o.api_port}: {e.strerror}") from None
             self._install_signal_handlers()
             self.state = "loading"
             log.info("loading %s (quant %s, %s, %s)", o.model, o.quant, o.dtype, o.device)
@@ -175,15 +199,25 @@ class Daemon:
             self.metrics.resident_bytes.labels(str(o.device)).set(self.loaded.arena.size)
             policy = PeerPolicy(o.allow_uids, o.allow_gids)
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
+            if o.workers:
+                self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote)
+                self.supervisor.start()
+                if not self.supervisor.all_ready(o.ready_timeout):
+                    raise DaemonError(f"workers not ready within {o.ready_timeout:.0f} s; see {o.state_dir}/worker-*.log")
             self.state = "ready"
             fp = self.loaded.manifest["fingerprint"]
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
-            notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds})
+            notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
+                    "workers": o.workers, "port": o.api_port})
             while not self.stop_requested.wait(0.5):
                 pass
             self.state = "stopping"
             log.info("stopping")
         finally:
+            if self.supervisor:
+                self.supervisor.stop(timeout=o.worker_spec.get("drain_timeout", 30.0) + 5)
+            if api:
+                api.close()
             if self.control:
                 self.control.close()
             if self.loaded:

@@ -40,11 +40,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text).ids
-        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a chat template's output already holds its special tokens."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """What one token reads as on its own (for log-prob listings)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
