@@ -1,0 +1,147 @@
+"""Synthetic random-weight checkpoints in HF layout, standing in for real ones of the same shapes.
+
+No transformers needed: names and shapes come from `preload.worker.layout`, the same
+table the loader checks a checkpoint against, so whatever this writes the daemon loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+# DeepSeek-V2-Lite's real tensor shapes (hidden 2048, 16 heads, kv_lora 512, no q_lora,
+# expert width 1408, 2 shared experts, vocab 102400), cut to one dense and one MoE layer
+# with 8 routed experts so that the whole checkpoint is about 1.2 GB in bf16: big enough
+# for load figures to mean something on a CPU host, small enough to write in seconds.
+V2_LITE_MINI = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _fill(shape: tuple[int, ...], name: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)
+    if len(shape) >= 2:
+        return t.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)  # keeps activations O(1)
+    if name.endswith("e_score_correction_bias"):
+        return t.zero_()
+    return t.uniform_(0.5, 1.5, generator=gen)  # norm weights
+
+
+def _write_tokenizer(out_dir: Path, vocab_size: int, bos: int | None, eos: int | None) -> None:
+    """A word-level tokenizer over "t0".."tN" covering the whole vocab: enough to load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"bos_token": f"t{bos}" if bos is not None else None, "eos_token": f"t{eos}" if eos is not None else None,
+              "add_bos_token": bos is not None}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def make_random_checkpoint(
+    out_dir: str | Path,
+    config: dict,
+    shard_bytes: int = 500 * 10**6,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    with_mtp: bool = False,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
+    """Write a random-weight checkpoint for `config` (an HF config.json dict) in HF layout.
+
+    `out_dir` gets config.json, safetensors shards of at most `shard_bytes` each (one
+    tensor larger than that gets a shard of its own) named model-0000i-of-0000n.safetensors
+    with a model.safetensors.index.json (a single model.safetensors when one shard holds
+    it all), and a tokenizer: copied from `tokenizer_from` if given, else a word-level one
+    of the config's vocab size. Weights are `dtype` (config.json's torch_dtype is set to
+    match), matrices normal(0, 1/sqrt(fan_in)), norms uniform(0.5, 1.5), drawn from a
+    generator seeded with `seed`, so the same arguments give the same bytes. Only one
+    shard's tensors are in memory at a time. `with_mtp` adds a V3 config's MTP layer.
+    Returns `out_dir`.
+    """
+    from safetensors.torch import save_file
+
+    from preload.worker.config import ModelConfig
+    from preload.worker.layout import checkpoint_shapes
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = dict(config) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    config.pop("dtype", None)
+    cfg = ModelConfig.from_dict(config)
+    shapes = checkpoint_shapes(cfg, with_mtp=with_mtp and cfg.num_mtp_layers > 0)
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+
+    for old in out_dir.glob("model*.safetensors*"):
+        old.unlink()  # a previous, differently sharded run must not leave files behind
+    gen = torch.Generator().manual_seed(seed)
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards, 1):
+        file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = {name: _fill(shapes[name], name, dtype, gen) for name in names}
+        total += sum(t.nbytes for t in tensors.values())
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        del tensors
+        weight_map |= dict.fromkeys(names, file)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+    if tokenizer_from is not None:
+        for name in _TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).exists():
+                shutil.copy(Path(tokenizer_from) / name, out_dir / name)
+    else:
+        _write_tokenizer(out_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    return out_dir
