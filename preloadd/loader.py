@@ -8,7 +8,10 @@ near the largest tensor rather than the model.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +22,12 @@ import torch
 from preload.ipc.arena import TensorEntry, create_arena, pack
 from preload.ipc.identity import checkpoint_record, fingerprint, tensor_digest
 from preload.kernels.quant import quantize_weight, stored_layout
-from preload.worker.checkpoint import CheckpointReader, iter_checkpoint, wanted_shapes
+from preload.worker.checkpoint import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
 from preload.worker.config import ModelConfig
 from preload.worker.tokenizer import TOKENIZER_FILES
 
-FILE_PREFIX = "files/"  # arena entries holding the checkpoint's small text files, as bytes
+FILE_PREFIX = "files/"
+LOADER_THREADS = 8  # arena entries holding the checkpoint's small text files, as bytes
 
 
 class LoadError(RuntimeError):
@@ -92,17 +96,33 @@ def load(
     progress.total_bytes, progress.tensors_total = size, len(entries)
     check_memory(size, device)
     arena = create_arena(transport, size, device)
-    try:
-        digests, sources = {}, {}
-        for src in iter_checkpoint(model_dir, cfg):
-            digests[src.name], sources[src.name] = tensor_digest(src.tensor, src.scale_inv), src.path
-            scale = None if src.scale_inv is None else src.scale_inv.to(device)
-            stored = quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
-            for name, tensor in stored.items():
-                arena.write(by_name[name], tensor)
-                progress.done_bytes += by_name[name].nbytes
-                progress.tensors_done += 1
+    digests, sources, lock = {}, {}, threading.Lock()
+
+    def store(src: SourceTensor) -> None:
+        # Hashing, quantizing and writing release the GIL: several tensors go at once.
+        digest = tensor_digest(src.tensor, src.scale_inv)
+        scale = None if src.scale_inv is None else src.scale_inv.to(device)
+        stored = quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
+        for name, tensor in stored.items():
+            arena.write(by_name[name], tensor)
+        with lock:
+            digests[src.name], sources[src.name] = digest, src.path
+            progress.done_bytes += sum(by_name[name].nbytes for name in stored)
+            progress.tensors_done += len(stored)
             on_progress(progress)
+
+    threads = min(LOADER_THREADS, os.cpu_count() or 1)
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
+            pending: set[Future] = set()
+            for src in iter_checkpoint(model_dir, cfg):  # reads stay in order, one file region at a time
+                pending.add(pool.submit(store, src))
+                if len(pending) >= 2 * threads:  # bounds host memory to a few tensors in flight
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        f.result()
+            for f in pending:
+                f.result()
         for name, data in files.items():
             arena.write(by_name[FILE_PREFIX + name], torch.frombuffer(bytearray(data), dtype=torch.uint8))
             progress.tensors_done += 1
