@@ -1,0 +1,571 @@
+"""Train the bundled tiny DeepSeek-V3-shaped model on the Python standard library.
+
+The checkpoint this writes (default ``bundled/tiny-v3/``) is what ``preload.BUNDLED_MODEL``
+points at: a real ``DeepseekV3ForCausalLM`` HF directory (MLA, routed + shared experts,
+a dense first layer, one MTP layer) small enough to commit (< 10 MB) that has actually
+learned something, so demos print plausible Python, quantization quality can be
+measured, and the MTP draft gets accepted during speculative decoding.
+
+Everything runs on CPU (2 threads), about 12 minutes on an idle 2-core machine
+(0.70 s a step); the bundled checkpoint came from
+
+    .venv/bin/python scripts/train_tiny.py --minutes 25 --steps 950
+
+(`--steps` fixes the schedule, so the result does not depend on the machine's load;
+`--minutes` only caps the loop's wall time.)
+
+The data is the stdlib's own ``.py`` files because they exist on every machine with
+Python; a fixed held-out sample is also written to ``tests/data/heldout.txt`` so tests
+do not depend on the local stdlib version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+# Threads that sleep rather than spin at OpenMP barriers: on a shared (loaded) 2-core
+# machine, spinning threads made steps up to 10x slower; sleeping costs little when idle.
+# Must be set before torch starts OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Special tokens; the order fixes their ids (bos = 0, eos = 1), which config.json records.
+BOS, EOS = "<|begin|>", "<|end|>"
+SPECIAL_TOKENS = [BOS, EOS, "<|user|>", "<|assistant|>", "<|system|>"]
+
+VOCAB_SIZE = 2048
+SEQ_LEN = 512
+MAX_FILE_BYTES = 200_000
+HELDOUT_PER_MILLE = 20  # ~2% of files held out
+# Test suites, the IDE, third-party packages, and the codec tables of encodings/ (a hundred
+# near-identical hex mapping tables that would skew both the tokenizer and the loss).
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "encodings"}
+HELDOUT_SAMPLE_BYTES = 24_000
+EVAL_WINDOWS = 48  # fixed held-out 512-token windows for the reported loss
+MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the MTP loss in its early training phase
+# Step size of the aux-loss-free balancing bias. DeepSeek-V3 uses 0.001 over ~10^5 steps;
+# our run has a few hundred, so a larger step lets the bias actually move.
+BIAS_UPDATE_SPEED = 0.002
+SIZE_LIMIT_BYTES = 10_000_000
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>"
+    "{% elif message['role'] == 'user' %}<|user|>"
+    "{% else %}<|assistant|>{% endif %}"
+    "{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def collect_sources(stdlib: Path) -> list[tuple[str, str]]:
+    """Return ``(relative path, text)`` of the stdlib's own ``.py`` files, sorted by path."""
+    docs = []
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if SKIP_DIRS & set(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # a handful of files use other encodings; not worth special-casing
+        if text.strip():
+            docs.append((rel.as_posix(), text))
+    return docs
+
+
+def is_heldout(rel_path: str) -> bool:
+    """Deterministic split by path hash: same files held out on every machine and run."""
+    digest = hashlib.sha256(rel_path.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 1000 < HELDOUT_PER_MILLE
+
+
+def heldout_sample(docs: list[str], n_bytes: int) -> str:
+    """The first ~n_bytes of the held-out documents, cut at a line boundary."""
+    text = "\n\n".join(docs)
+    cut = text.encode("utf-8")[:n_bytes].decode("utf-8", errors="ignore")
+    return cut[: cut.rfind("\n") + 1]
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style), trained on the train split only.
+
+    No post-processor: encoding stays plain and the engine adds bos itself.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 bytes up front, so any text (not just what the stdlib contains) encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    return tok
+
+
+def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
+    """Documents as ``<|begin|> doc <|end|>`` back to back, as one flat int64 tensor.
+
+    Each document starts with bos too, so a model fed a bos-prefixed prompt (as the
+    engine does when config says so) sees a context it was trained on.
+    """
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.append(bos)
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def tokenizer_config(max_len: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# ---------------------------------------------------------------------------- model
+
+
+def model_config(vocab_size: int) -> dict:
+    """A DeepSeek-V3-shaped config scaled down to ~4.5M parameters (bf16 < 10 MB)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "intermediate_size": 512,  # the dense layer(s)
+        "moe_intermediate_size": 128,  # each routed and shared expert
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,  # layer 0 dense, the rest MoE
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 96,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "head_dim": 16,  # HF's name for qk_rope_head_dim in DeepSeek configs
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 4,  # 4 groups of 2 experts, keep the best 2 groups: routing is really group-limited
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "num_nextn_predict_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+    }
+
+
+def checkpoint_names(names: list[str], n_layers: int) -> list[str]:
+    """Drop the MTP layer's own embedding / head copies: loaders share the main model's."""
+    mtp = f"model.layers.{n_layers}."
+    skip = (mtp + "embed_tokens.weight", mtp + "shared_head.head.weight")
+    return [n for n in names if n not in skip]
+
+
+# ------------------------------------------------------------------------- training
+
+
+class ExpertLoads:
+    """Counts how many tokens each MoE layer routes to each expert, by wrapping the
+    layers' `route` (the model itself does not report loads), so the training loop can
+    apply DeepSeek-V3's aux-loss-free balancing to `e_score_correction_bias`."""
+
+    def __init__(self, model, n_experts: int):
+        from preload.worker.model import MoE
+
+        blocks = list(model.layers) + ([model.mtp.block] if model.mtp is not None else [])
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bias, counts) per MoE layer
+        for block in blocks:
+            moe = block.ffn
+            if isinstance(moe, MoE):
+                counts = torch.zeros(n_experts)
+                moe.route = self._counting(moe.route, counts)  # instance attribute shadows the method
+                self.layers.append((moe.bias, counts))
+
+    @staticmethod
+    def _counting(route, counts: torch.Tensor):
+        def counted(x: torch.Tensor):
+            weights, ids = route(x)
+            counts.add_(torch.bincount(ids.flatten(), minlength=counts.numel()).float())
+            return weights, ids
+
+        return counted
+
+    def reset(self) -> None:
+        for _, counts in self.layers:
+            counts.zero_()
+
+    @torch.no_grad()
+    def update_bias(self, speed: float) -> None:
+        """bias_e += speed * sign(mean load - load_e): underloaded experts get chosen more."""
+        for bias, counts in self.layers:
+            bias.add_(speed * torch.sign(counts.mean() - counts))
+
+    def imbalance(self) -> float:
+        """Worst max/mean load over the MoE layers (1.0 = perfectly balanced)."""
+        return max((c.max() / c.mean().clamp(min=1)).item() for _, c in self.layers) if self.layers else 1.0
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of peak over the planned steps."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def sample_batch(stream: torch.Tensor, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """Random SEQ_LEN windows of the concatenated train stream."""
+    starts = torch.randint(0, len(stream) - SEQ_LEN, (batch,), generator=gen)
+    return torch.stack([stream[s : s + SEQ_LEN] for s in starts.tolist()])
+
+
+def losses(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean next-token CE of the main head and next-next-token CE of the MTP head."""
+    logits, mtp_logits = model.train_forward(tokens)
+    v = logits.shape[-1]
+    main = F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), tokens[:, 1:].reshape(-1))
+    mtp = None
+    if mtp_logits is not None:
+        mtp = F.cross_entropy(mtp_logits[:, :-1].reshape(-1, v).float(), tokens[:, 2:].reshape(-1))
+    return main, mtp
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, batch: int) -> tuple[float, float | None]:
+    """Mean CE over fixed windows (each window weighs the same: all are full length)."""
+    main_sum, mtp_sum, n = 0.0, 0.0, 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i : i + batch]
+        main, mtp = losses(model, chunk)
+        main_sum += main.item() * len(chunk)
+        mtp_sum += (mtp.item() if mtp is not None else math.nan) * len(chunk)
+        n += len(chunk)
+    return main_sum / n, (mtp_sum / n if not math.isnan(mtp_sum) else None)
+
+
+def eval_windows(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """Non-overlapping SEQ_LEN windows, evenly spread over the held-out stream."""
+    n_avail = len(stream) // SEQ_LEN
+    picks = sorted({int(i * n_avail / count) for i in range(count)}) if n_avail > count else range(n_avail)
+    return torch.stack([stream[p * SEQ_LEN : (p + 1) * SEQ_LEN] for p in picks])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bundled" / "tiny-v3")
+    ap.add_argument("--minutes", type=float, default=11.0, help="time budget of the training loop")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None, help="planned steps (default: fit the budget)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences of 512 tokens per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--heldout-txt", type=Path, default=REPO / "tests" / "data" / "heldout.txt")
+    args = ap.parse_args()
+
+    t_start = time.time()
+    torch.set_num_threads(2)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    # --- data
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = collect_sources(stdlib)
+    train_docs = [t for p, t in docs if not is_heldout(p)]
+    held_docs = [t for p, t in docs if is_heldout(p)]
+    held_paths = [p for p, _ in docs if is_heldout(p)]
+    train_bytes = sum(len(t.encode()) for t in train_docs)
+    held_bytes = sum(len(t.encode()) for t in held_docs)
+    log(f"stdlib {stdlib}: {len(train_docs)} train files ({train_bytes / 1e6:.1f} MB), "
+        f"{len(held_docs)} held-out files ({held_bytes / 1e6:.2f} MB)")
+
+    # --- tokenizer
+    tok = train_tokenizer(train_docs, VOCAB_SIZE)
+    vocab = tok.get_vocab_size()
+    train_stream = token_stream(tok, train_docs)
+    held_stream = token_stream(tok, held_docs)
+    log(f"tokenizer: vocab {vocab}; train {len(train_stream):,} tokens "
+        f"({train_bytes / len(train_stream):.2f} bytes/token), held-out {len(held_stream):,} tokens")
+
+    sample = heldout_sample(held_docs, HELDOUT_SAMPLE_BYTES)
+    sample_ids = torch.tensor(tok.encode(sample, add_special_tokens=False).ids, dtype=torch.long)
+
+    # --- model
+    from preload.worker.config import ModelConfig
+    from preload.worker.model import Transformer, init_weights
+
+    config = model_config(vocab)
+    cfg = ModelConfig.from_dict(config)
+    weights = init_weights(cfg, seed=args.seed)
+    saved = checkpoint_names(list(weights), config["num_hidden_layers"])
+    n_params = sum(weights[n].numel() for n in saved)
+    n_mtp = sum(weights[n].numel() for n in saved if n.startswith(f"model.layers.{config['num_hidden_layers']}."))
+    # bf16 = 2 bytes a parameter; leave room for the safetensors header.
+    assert 2 * n_params < SIZE_LIMIT_BYTES - 100_000, f"{n_params:,} parameters do not fit 10 MB in bf16"
+    log(f"model: {n_params:,} parameters saved ({n_mtp:,} in the MTP layer), "
+        f"{2 * n_params / 1e6:.2f} MB in bf16")
+
+    # The router's e_score_correction_bias is DeepSeek's aux-loss-free balancing term,
+    # not a gradient-trained parameter: keep it out of the optimizer; ExpertLoads moves it.
+    bias_names = [n for n in weights if n.endswith("e_score_correction_bias")]
+    trainable = {n: w for n, w in weights.items() if n not in bias_names}
+    for w in trainable.values():
+        w.requires_grad_(True)
+    model = Transformer(cfg, weights)
+    loads = ExpertLoads(model, cfg.n_routed_experts)
+
+    decay = [w for n, w in trainable.items() if w.dim() >= 2]
+    no_decay = [w for n, w in trainable.items() if w.dim() < 2]  # norms: no weight decay
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+
+    # --- plan: measure a forward+backward (no optimizer step, so weights are untouched)
+    budget_s = args.minutes * 60
+    probe = sample_batch(train_stream, args.batch, torch.Generator().manual_seed(12345))
+    times = []
+    for _ in range(3):
+        t0 = time.time()
+        main_loss, mtp_loss = losses(model, probe)
+        (main_loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
+        times.append(time.time() - t0)
+    opt.zero_grad(set_to_none=True)
+    step_s = min(times[1:]) * 1.05  # first call pays one-off allocation costs
+    steps = args.steps if args.steps is not None else max(1, int(budget_s / step_s))
+    warmup = max(1, min(100, steps // 20))
+    log(f"step ~{step_s:.2f}s (batch {args.batch}x{SEQ_LEN}); planned {steps} steps, warmup {warmup}; "
+        f"initial loss {main_loss.item():.3f} (ln V = {math.log(vocab):.3f})")
+
+    # --- train
+    t_train = time.time()
+    step = 0
+    for step in range(steps):
+        if time.time() - t_train > budget_s:
+            log(f"time budget reached after {step} of {steps} steps")
+            break
+        lr = lr_at(step, steps, args.lr, warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = sample_batch(train_stream, args.batch, gen)
+        loads.reset()
+        main_loss, mtp_loss = losses(model, tokens)
+        loss = main_loss + MTP_LOSS_WEIGHT * mtp_loss if mtp_loss is not None else main_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
+        opt.step()
+        loads.update_bias(BIAS_UPDATE_SPEED)
+        if step % 20 == 0 or step == steps - 1:
+            log(f"step {step:4d}/{steps} lr {lr:.2e} loss {main_loss.item():.3f} "
+                f"mtp {mtp_loss.item() if mtp_loss is not None else float('nan'):.3f} gnorm {gnorm:.2f} "
+                f"max/mean expert load {loads.imbalance():.2f}")
+    else:
+        step = steps
+    trained_steps = step
+    final_imbalance = loads.imbalance()
+    train_s = time.time() - t_train
+
+    # --- evaluate (in fp32 training precision and again after the bf16 round trip the
+    # checkpoint applies, which is what loaders will see)
+    with torch.no_grad():
+        for w in weights.values():
+            w.requires_grad_(False)
+            w.copy_(w.to(torch.bfloat16).float())
+    windows = eval_windows(held_stream, EVAL_WINDOWS)
+    held_loss, held_mtp = evaluate(model, windows, args.batch)
+    sample_windows = eval_windows(sample_ids, len(sample_ids) // SEQ_LEN)
+    sample_loss, _ = evaluate(model, sample_windows, args.batch)
+    log(f"held-out ({len(windows)}x{SEQ_LEN} tokens): loss {held_loss:.4f} ppl {math.exp(held_loss):.2f}, "
+        f"MTP loss {held_mtp:.4f} ppl {math.exp(held_mtp):.2f}; heldout.txt ({len(sample_windows)}x{SEQ_LEN}): "
+        f"loss {sample_loss:.4f} ppl {math.exp(sample_loss):.2f}; uniform ppl {vocab}")
+
+    # --- write
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: weights[n].detach().to(torch.bfloat16).contiguous() for n in saved}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(config["max_position_embeddings"]), indent=2) + "\n")
+    args.heldout_txt.parent.mkdir(parents=True, exist_ok=True)
+    args.heldout_txt.write_text(sample, encoding="utf-8")
+
+    wall_s = time.time() - t_start
+    cpu_s = time.process_time()
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    sizes = {f: (out / f).stat().st_size for f in files}
+    command = "python scripts/train_tiny.py " + " ".join(sys.argv[1:])
+    readme = README_TEMPLATE.format(
+        command=command.strip(),
+        seed=args.seed,
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        stdlib=stdlib,
+        n_train=len(train_docs), train_mb=train_bytes / 1e6, train_tokens=len(train_stream),
+        n_held=len(held_docs), held_mb=held_bytes / 1e6, held_tokens=len(held_stream),
+        held_files=", ".join(held_paths),
+        vocab=vocab, vocab_ln=math.log(vocab), bpt=train_bytes / len(train_stream),
+        n_params=n_params, n_mtp=n_mtp,
+        steps=trained_steps, planned=steps, batch=args.batch, seq=SEQ_LEN, lr=args.lr, warmup=warmup,
+        tokens_seen=trained_steps * args.batch * SEQ_LEN,
+        step_s=train_s / max(1, trained_steps), train_min=train_s / 60, wall_min=wall_s / 60,
+        cpu_min=cpu_s / 60, load=" / ".join(f"{x:.1f}" for x in os.getloadavg()),
+        sizes="\n".join(f"| `{f}` | {s:,} |" for f, s in sizes.items()),
+        total=sum(sizes.values()),
+        n_windows=len(windows), held_loss=held_loss, held_ppl=math.exp(held_loss),
+        held_mtp=held_mtp, held_mtp_ppl=math.exp(held_mtp),
+        sample_bytes=len(sample.encode()), sample_tokens=len(sample_ids), n_sample_windows=len(sample_windows),
+        sample_loss=sample_loss, sample_ppl=math.exp(sample_loss),
+        bias_speed=BIAS_UPDATE_SPEED, imbalance=final_imbalance,
+    )
+    (out / "README.md").write_text(readme)
+    assert sum(sizes.values()) + len(readme) < SIZE_LIMIT_BYTES
+    log(f"wrote {out} ({sum(sizes.values()):,} bytes) and {args.heldout_txt}; wall {wall_s / 60:.1f} min, "
+        f"CPU {cpu_s / 60:.1f} min")
+
+
+README_TEMPLATE = """\
+# tiny-v3: the bundled model
+
+A ~{n_params:,}-parameter `DeepseekV3ForCausalLM` trained from scratch on the Python
+standard library's own source, so demos and tests have a model that has learned
+something (random weights cannot test quantization quality or speculative decoding).
+It writes plausible-looking Python; it is not useful for anything else, and it has
+never seen a chat (the chat template exists so the chat code paths have one to use).
+
+## How it was made
+
+```
+{command}
+```
+
+- seed {seed}; Python {python}, torch {torch}, CPU only, 2 threads
+- wall time {wall_min:.1f} min in all ({train_min:.1f} min in the training loop,
+  {step_s:.2f} s a step); CPU time {cpu_min:.1f} min (both threads together); load
+  average at the end {load} (1 / 5 / 15 min; above 2 means other work shared the cores)
+
+**Data.** Every `.py` file of the stdlib at `{stdlib}` except test suites (`test/`,
+`tests/`), `idlelib/`, `site-packages/`, the codec tables of `encodings/` and files over
+200 KB, sorted by path. A file is
+held out when the SHA-256 of its relative path, first 8 bytes mod 1000, is below 20 (~2%).
+Train: {n_train} files, {train_mb:.1f} MB, {train_tokens:,} tokens. Held out: {n_held}
+files, {held_mb:.2f} MB, {held_tokens:,} tokens ({held_files}).
+Documents are tokenized and concatenated as `<|begin|> doc <|end|>` back to back; each
+training sequence is a random {seq}-token window of that stream.
+
+**Tokenizer.** Byte-level BPE (`tokenizers`, ByteLevel pre-tokenizer and decoder, all 256
+bytes in the base alphabet), vocabulary {vocab}, trained on the train split only,
+{bpt:.2f} bytes a token. Special tokens `<|begin|>` (0, bos), `<|end|>` (1, eos),
+`<|user|>`, `<|assistant|>`, `<|system|>`. Encoding adds no special tokens (no
+post-processor); the engine adds bos itself.
+
+**Model.** See `config.json`: hidden 256, 3 layers (layer 0 dense SwiGLU 512, layers 1-2
+MoE), MLA (4 heads, q_lora_rank 96, kv_lora_rank 64, nope 32 + rope 16, v 32), 8 routed
+experts of 128 in 4 groups (top-2 groups, top-2 experts, sigmoid scores, noaux_tc,
+normalized, scaled by 2.5) plus 1 shared expert, untied head, one MTP layer (layer 3:
+enorm, hnorm, eh_proj, an MoE decoder block, shared_head.norm; it shares the main
+model's embedding and lm_head, which are therefore not stored twice).
+{n_params:,} parameters are stored, {n_mtp:,} of them in the MTP layer.
+
+**Training.** As DeepSeek-V3 does: loss = CE(next token) + 0.3 * CE(MTP, token after
+next). AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), peak lr {lr:g}, {warmup}
+warmup steps then cosine decay to 10% over {planned} planned steps; gradient clipping
+1.0; batch {batch} x {seq} tokens; fp32. {steps} steps ran ({tokens_seen:,} tokens).
+The router's `e_score_correction_bias` is not trained by gradient: after each step,
+DeepSeek-V3's aux-loss-free balancing moves it by {bias_speed:g} * sign(mean load - expert load),
+loads counted over the step's tokens in each MoE layer (the MTP layer's included).
+Final max/mean expert load over the MoE layers, on the last batch: {imbalance:.2f}.
+
+## Results
+
+Held-out loss is the mean next-token cross-entropy (nats) over {n_windows} fixed,
+non-overlapping {seq}-token windows spread evenly over the held-out stream, measured
+after rounding the weights to bf16 as stored.
+
+| | loss | perplexity |
+|---|---|---|
+| held-out, main head | {held_loss:.4f} | {held_ppl:.2f} |
+| held-out, MTP head (token after next) | {held_mtp:.4f} | {held_mtp_ppl:.2f} |
+| `tests/data/heldout.txt`, main head | {sample_loss:.4f} | {sample_ppl:.2f} |
+| uniform guess | {vocab_ln:.4f} | {vocab} |
+
+`tests/data/heldout.txt` is the first ~24 KB of the held-out files (joined by a blank
+line, cut at a line end): {sample_bytes:,} bytes, {sample_tokens:,} tokens; its loss is
+measured over its {n_sample_windows} non-overlapping {seq}-token windows (no bos), so tests
+do not depend on the local stdlib.
+
+| file | bytes |
+|---|---|
+{sizes}
+
+Total {total:,} bytes.
+"""
+
+
+if __name__ == "__main__":
+    main()
