@@ -56,7 +56,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _fill(shape: tuple[int, ...], name: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device=gen.device)
     if len(shape) >= 2:
         return t.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)  # keeps activations O(1)
     if name.endswith("e_score_correction_bias"):
@@ -123,12 +123,14 @@ def make_random_checkpoint(
 
     for old in out_dir.glob("model*.safetensors*"):
         old.unlink()  # a previous, differently sharded run must not leave files behind
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the GPU when there is one (a 31 GB checkpoint in seconds, not minutes);
+    # the bytes then differ from a CPU run with the same seed.
+    gen = torch.Generator("cuda" if torch.cuda.is_available() else "cpu").manual_seed(seed)
     n = len(shards)
     weight_map, total = {}, 0
     for i, names in enumerate(shards, 1):
         file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-        tensors = {name: _fill(shapes[name], name, dtype, gen) for name in names}
+        tensors = {name: _fill(shapes[name], name, dtype, gen).cpu() for name in names}
         total += sum(t.nbytes for t in tensors.values())
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         del tensors
@@ -145,3 +147,47 @@ def make_random_checkpoint(
     else:
         _write_tokenizer(out_dir, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     return out_dir
+
+
+# DeepSeek-V3's real layer shapes (hidden 7168, 128 heads, q_lora 1536, 256 experts of
+# width 2048, top-8 in 4 of 8 groups, vocab 129280), 1 dense layer and a few MoE ones.
+V3_LAYER = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+SHAPES = {
+    "v2-lite": lambda moe_layers: V2_LITE_MINI | {"num_hidden_layers": 27, "n_routed_experts": 64},
+    "v2-lite-mini": lambda moe_layers: V2_LITE_MINI,
+    "v3-slice": lambda moe_layers: V3_LAYER | {"num_hidden_layers": 1 + moe_layers},
+}

@@ -288,6 +288,7 @@ def run_cold(
     device: str = "auto",
     evict: bool = False,
     warmup: bool = True,
+    transformers: bool = False,
     progress=lambda msg: None,
 ) -> dict:
     model = Path(model).absolute()
@@ -359,6 +360,18 @@ def run_cold(
             "ratio_load_over_read_warm": statistics.median(load) / warm_s,
         }
     result["start"] = starts
+    if transformers:
+        runs = []
+        for i in range(repeat):
+            progress(f"transformers from_pretrained ({i + 1}/{repeat})")
+            runs.append(run_transformers(model, device))
+        fresh = [r["process_s"] for r in runs]
+        result["transformers"] = {
+            "runs": runs,
+            "process_s": _summary(fresh),
+            "from_pretrained_s": _summary([r["from_pretrained_s"] for r in runs]),
+            "ratio_over_read_warm": statistics.median(fresh) / warm_s,
+        }
     result["machine"]["device"] = next((r["device"] for s in starts.values() for r in s["runs"]), None)
     result["loadavg_after"] = os.getloadavg()
     result["notes"] = [
@@ -374,6 +387,36 @@ def run_cold(
         " (imports done, load starting).",
     ]
     return result
+
+
+TRANSFORMERS_LOAD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch, transformers
+t1 = time.perf_counter()
+device = sys.argv[2]
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map=device)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+print(json.dumps({"import_s": t1 - t0, "from_pretrained_s": time.perf_counter() - t1}))
+"""
+
+
+def run_transformers(model: Path, device: str) -> dict:
+    """The naive restart: a fresh process that imports transformers and loads the same
+    files with `from_pretrained(..., device_map=device)` (bf16)."""
+    device = ("cuda:0" if _cuda_available() else "cpu") if device == "auto" else device
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", TRANSFORMERS_LOAD, str(model), device], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"transformers could not load {model}: {out.stderr.strip().splitlines()[-1:]}")
+    return {"process_s": time.perf_counter() - t0, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _sec(x: float) -> str:
@@ -437,6 +480,12 @@ def format_table(result: dict) -> str:
             _sec(s["stop_s"]["median"]),
         )
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    t = result.get("transformers")
+    if t:
+        lines.append(
+            f"{'transformers':15}  fresh process {t['process_s']['median']:.3f} s ({_ratio(t['ratio_over_read_warm'])} the read),"
+            f" from_pretrained alone {t['from_pretrained_s']['median']:.3f} s"
+        )
     lines += [
         "",
         "ready: `preload start` launch to exit 0; load: the daemon's /status load_seconds; ovhd = ready - load"

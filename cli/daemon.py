@@ -21,8 +21,8 @@ QUANTS = ("none", "fp8_per_tensor", "fp8_block")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda:N.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Dtype of unquantized weights: bf16 on CUDA, the checkpoint's on CPU.")
-@click.option("--transport", type=click.Choice(["auto", "memfd"]), default="auto", show_default=True,
-              help="How workers map the arena: memfd (host memory).")
+@click.option("--transport", type=click.Choice(["auto", "memfd", "cuda-vmm", "cuda-ipc"]), default="auto", show_default=True,
+              help="How workers map the arena: memfd (host memory), cuda-vmm (GPU, read-only maps; the CUDA default), cuda-ipc (legacy).")
 @state_dir_option
 @click.option("--health-host", default="127.0.0.1", show_default=True)
 @click.option("--health-port", type=click.IntRange(0, 65535), default=8001, show_default=True)
@@ -64,6 +64,7 @@ def run_daemon(params: dict, notify_fd: int | None = None) -> int:
     import logging
 
     from preload import BUNDLED_MODEL
+    from preload.ipc.arena import default_transport
     from preload.preloadd.daemon import Daemon, DaemonOptions
     from preload.worker.config import ModelConfig
     from preload.worker.llm import resolve_device, resolve_dtype
@@ -82,7 +83,7 @@ def run_daemon(params: dict, notify_fd: int | None = None) -> int:
             quant=p["quant"],
             device=dev,
             dtype=resolve_dtype(None if p["dtype"] == "auto" else p["dtype"], dev, cfg),
-            transport="memfd" if p["transport"] == "auto" else p["transport"],
+            transport=default_transport(dev) if p["transport"] == "auto" else p["transport"],
             state_dir=state_dir,
             health_host=p["health_host"],
             health_port=p["health_port"],

@@ -10,6 +10,7 @@ import click
 COMMANDS = {
     "bench": ("preload.cli.bench", "bench", "Benchmarks: print a table, write JSON."),
     "demo": ("preload.cli.demo", "demo", "Show the product on the bundled model."),
+    "make-checkpoint": ("preload.cli.make_checkpoint", "make_checkpoint", "Write a random checkpoint with real models' shapes."),
     "restart": ("preload.cli.daemon", "restart", "Replace the daemon's workers (rolling, or --now)."),
     "serve": ("preload.cli.serve", "serve", "Serve the OpenAI-compatible API from the daemon's weights."),
     "start": ("preload.cli.daemon", "start", "Start the daemon: load a checkpoint once, keep it resident."),

@@ -4,8 +4,8 @@ The daemon creates an arena, writes each tensor once, seals it and hands it out;
 workers map it read-only and build tensor views, without copying. The manifest's
 entries (name, dtype, shape, offset, nbytes) say where each tensor lives.
 
-Transports: `memfd` (host memory, sealed against writes, growth and shrinking). The
-CUDA transports (`cuda-vmm`, `cuda-ipc`) implement the same two sides.
+Transports: `memfd` (host memory, sealed against writes, growth and shrinking), and
+the CUDA transports `cuda-vmm` and `cuda-ipc` (ipc/cuda.py) with the same two sides.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vector loads
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-TRANSPORTS = ("memfd",)
+TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
 
 
 class ArenaError(RuntimeError):
@@ -84,10 +84,7 @@ class MemfdArena:
             raise
 
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
-        if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise ArenaError(
-                f"tensor {entry.name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}"
-            )
+        check_planned(entry, tensor)
         data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
         view = memoryview(data).cast("B")
         done = 0
@@ -97,7 +94,7 @@ class MemfdArena:
     def seal(self) -> None:
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
-    def handle(self) -> dict:
+    def info(self) -> dict:
         """What goes into the manifest; the fd itself travels over SCM_RIGHTS."""
         return {"transport": self.transport, "size": self.size}
 
@@ -110,12 +107,40 @@ class MemfdArena:
             self.fd = -1
 
 
-def create_arena(transport: str, size: int, device: torch.device) -> MemfdArena:
-    if transport != "memfd":
-        raise ArenaError(f"transport {transport!r} is not available; choose one of {', '.join(TRANSPORTS)}")
-    if device.type != "cpu":
-        raise ArenaError(f"transport memfd holds host memory; device {device} needs a CUDA transport")
-    return MemfdArena(size)
+def check_planned(entry: TensorEntry, tensor: torch.Tensor) -> None:
+    if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise ArenaError(f"tensor {entry.name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}")
+
+
+def default_transport(device: torch.device) -> str:
+    return "cuda-vmm" if device.type == "cuda" else "memfd"
+
+
+def create_arena(transport: str, size: int, device: torch.device):
+    """The daemon side of an arena: write(entry, tensor), seal(), info(), fds(), close()."""
+    if transport not in TRANSPORTS:
+        raise ArenaError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if (transport == "memfd") != (device.type == "cpu"):
+        raise ArenaError(f"transport {transport} cannot hold weights on {device}")
+    if transport == "memfd":
+        return MemfdArena(size)
+    from preload.ipc.cuda import IpcArena, VmmArena
+
+    return (VmmArena if transport == "cuda-vmm" else IpcArena)(size, device)
+
+
+def map_arena(info: dict, fds: list[int]):
+    """The worker side: an object whose `base` is the arena as a flat uint8 tensor."""
+    transport = info.get("transport")
+    if transport == "memfd":
+        return MappedArena(info, fds)
+    if transport in ("cuda-vmm", "cuda-ipc"):
+        from preload.ipc.cuda import IpcMapping, VmmMapping
+
+        return (VmmMapping if transport == "cuda-vmm" else IpcMapping)(info, fds)
+    for fd in fds:
+        os.close(fd)
+    raise ArenaError(f"unknown arena transport {transport!r}")
 
 
 class MappedArena:

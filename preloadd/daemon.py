@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import signal
+import tempfile
 import socket
 import threading
 import time
@@ -65,25 +66,44 @@ def prepare_state_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-class StateDirLock:
-    """An flock on state_dir/daemon.lock, holding the daemon's pid; the kernel drops
-    it when the daemon dies, however it dies."""
+class PidLock:
+    """An flock on a file holding the owner's pid; the kernel drops it when the owner
+    dies, however it dies. `what` names the resource in the refusal."""
 
-    def __init__(self, state_dir: Path):
-        self.path = state_dir / "daemon.lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except PermissionError:
+            raise DaemonError(f"{what} is in use by another user's preload daemon ({path})") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode().strip() or "?"
             os.close(self.fd)
-            raise DaemonError(f"another preload daemon (pid {holder}) is running on state dir {state_dir}") from None
+            raise DaemonError(f"another preload daemon (pid {holder}) is running on {what}") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         os.ftruncate(self.fd, 0)
         os.close(self.fd)
+
+
+def device_lock(device: torch.device) -> PidLock | None:
+    """One daemon per GPU (by UUID, whatever CUDA_VISIBLE_DEVICES says); CPUs are shared."""
+    if device.type != "cuda":
+        return None
+    uuid = torch.cuda.get_device_properties(device).uuid
+    return PidLock(Path(tempfile.gettempdir()) / f"preload-gpu-{uuid}.lock", f"device {device} (GPU {uuid})")
+
+
+def last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "nothing"
+    return lines[-1].strip() if lines else "nothing"
 
 
 class Daemon:
@@ -131,7 +151,7 @@ class Daemon:
         raise AssertionError(op)
 
     def arena_fds(self) -> tuple[dict, list[int]]:
-        return self.loaded.arena.handle(), self.loaded.arena.fds()
+        return self.loaded.arena.info(), self.loaded.arena.fds()
 
     def attached(self) -> list[int]:
         for pid in [p for p in self.clients if not psutil.pid_exists(p)]:
@@ -170,9 +190,10 @@ class Daemon:
         """Start, report ready through `notify`, serve until asked to stop, clean up."""
         o = self.opts
         prepare_state_dir(o.state_dir)
-        lock = StateDirLock(o.state_dir)
-        http = api = None
+        lock = PidLock(o.state_dir / "daemon.lock", f"state dir {o.state_dir}")
+        gpu_lock = http = api = None
         try:
+            gpu_lock = device_lock(o.device)
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
             try:
@@ -203,7 +224,9 @@ class Daemon:
                 self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote)
                 self.supervisor.start()
                 if not self.supervisor.all_ready(o.ready_timeout):
-                    raise DaemonError(f"workers not ready within {o.ready_timeout:.0f} s; see {o.state_dir}/worker-*.log")
+                    last = last_line(o.state_dir / "worker-0.log")
+                    raise DaemonError(f"workers not ready within {o.ready_timeout:.0f} s (worker 0 said: {last}); "
+                                      f"see {o.state_dir}/worker-*.log")
             self.state = "ready"
             fp = self.loaded.manifest["fingerprint"]
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
@@ -224,6 +247,8 @@ class Daemon:
                 self.loaded.arena.close()
             if http:
                 http.close()
+            if gpu_lock:
+                gpu_lock.release()
             lock.release()
 
     def _on_error(self) -> None:

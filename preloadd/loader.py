@@ -139,7 +139,7 @@ def load(
         "config": json.loads(files["config.json"]),
         **settings,
         "device": str(device),
-        "arena": arena.handle(),
+        "arena": arena.info(),
         "tensors": [e.to_wire() for e in entries],
         "record": record,
         "fingerprint": fingerprint(record["aux"], digests, settings),

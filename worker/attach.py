@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from preload.ipc.arena import ArenaError, MappedArena, TensorEntry, tensor_views
+from preload.ipc.arena import ArenaError, TensorEntry, map_arena, tensor_views
 from preload.ipc.client import DaemonClient
 from preload.ipc.protocol import default_state_dir
 from preload.preloadd.loader import FILE_PREFIX
@@ -27,12 +27,12 @@ class AttachedWeights(Mapping[str, torch.Tensor]):
     """Read-only views of the daemon's arena. `manifest` says what was loaded and how;
     `fingerprint` identifies the exact bytes; `files` holds config and tokenizer files."""
 
-    def __init__(self, state_dir: Path, manifest: dict, arena: MappedArena, client: DaemonClient):
+    def __init__(self, state_dir: Path, manifest: dict, arena, client: DaemonClient):
         self.state_dir, self.manifest, self._arena, self._client = state_dir, manifest, arena, client
         entries = [TensorEntry.from_wire(e) for e in manifest["tensors"]]
         check_entries(entries, arena.size)
         views = tensor_views(arena.base, entries)
-        self.files = {k.removeprefix(FILE_PREFIX): bytes(v.numpy()) for k, v in views.items() if k.startswith(FILE_PREFIX)}
+        self.files = {k.removeprefix(FILE_PREFIX): bytes(v.cpu().numpy()) for k, v in views.items() if k.startswith(FILE_PREFIX)}
         self._tensors = {k: v for k, v in views.items() if not k.startswith(FILE_PREFIX)}
 
     @property
@@ -76,7 +76,7 @@ def attach(state_dir: str | Path | None = None, timeout: float = 10.0) -> Attach
         client.request("hello")
         manifest = client.request("manifest")["manifest"]
         handle, fds = client.arena_fds()
-        arena = MappedArena(handle, fds)
+        arena = map_arena(handle, fds)
         return AttachedWeights(state_dir, manifest, arena, client)
     except BaseException:
         client.close()

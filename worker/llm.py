@@ -52,15 +52,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLM:
-    """A model ready to generate: loaded in this process, or attached zero-copy to a
-    running daemon's weights when `state_dir` is given (then `model`, `quant`,
-    `device` and `dtype`, if given, must match what the daemon holds)."""
+    """A model ready to generate: loaded in this process (on the GPU when there is one,
+    unless `device` says otherwise), or attached zero-copy to a running daemon's weights
+    when `state_dir` is given (then `model`, `quant`, `device` and `dtype`, if given,
+    must match what the daemon holds)."""
 
     def __init__(
         self,
         model: str | Path | None = None,
         quant: str | None = None,
-        device: str = "cpu",
+        device: str | None = None,
         dtype: str | None = None,
         state_dir: str | Path | None = None,
         engine: EngineConfig | None = None,
@@ -73,7 +74,7 @@ class LLM:
         elif model is None:
             raise ValueError("LLM needs a model directory or a daemon's state_dir")
         else:
-            weights = self._load(Path(model), quant or "none", device, dtype)
+            weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
         self.engine = Engine(self.model, self.tokenizer, engine or EngineConfig(), self.device)
         self.stop_ids = self.engine.stop_ids
@@ -86,11 +87,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         return load_checkpoint(model_dir, self.config, self.dtype, self.device, quant)
 
-    def _attach(self, state_dir, model, quant: str | None, device: str, dtype: str | None) -> Weights:
+    def _attach(self, state_dir, model, quant: str | None, device: str | None, dtype: str | None) -> Weights:
         self.attached = attach(state_dir)
         m = self.attached.manifest
         try:
-            wanted = {"quant": quant, "dtype": dtype, "device": str(resolve_device(device))}
+            wanted = {"quant": quant, "dtype": dtype, "device": device and str(resolve_device(device))}
             for key, value in wanted.items():
                 if value is not None and value != m[key]:
                     raise IdentityError(f"the daemon on {state_dir} holds {key} {m[key]}, not {value}")

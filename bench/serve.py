@@ -1,0 +1,267 @@
+"""Serving load: N concurrent clients stream completions from a RUNNING worker.
+
+What is sent, so the figures can be judged:
+- prompts are lists of token ids drawn uniformly from [0, vocab) (seeded), so their
+  lengths are exact; each length is uniform in --prompt-len. `vocab` comes from --vocab,
+  or is found by bisection with one-token scoring requests (`max_tokens: 0, echo: true`),
+  which the worker refuses with a 400 exactly when an id is outside its vocabulary;
+- each request streams (`stream: true`) with `ignore_eos: true`, `temperature: 0` and
+  `max_tokens` uniform in --output-len, so every request generates exactly what was
+  asked, and `stream_options.include_usage`, so token counts are the server's own;
+- a closed loop: --concurrency clients, each sending its next request as soon as the
+  previous one ends, until --requests have been sent (plus --warmup unrecorded ones).
+
+What is reported:
+- throughput over the wall time of the recorded requests: requests/s, output tokens/s
+  and total (prompt + output) tokens/s;
+- TTFT: request sent -> first streamed chunk that carries tokens;
+- ITL: the gaps between consecutive token-carrying chunks of a request, as a client
+  sees them (the worker sends one chunk per engine step, so one gap per token);
+- TPOT: per request, (last chunk - first chunk) / (output tokens - 1);
+- end-to-end latency per request; and failures (non-200, broken stream, short output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    prompt_tokens: int
+    max_tokens: int
+    ok: bool = False
+    error: str | None = None
+    sent: float = 0.0  # seconds since the recorded run began
+    ttft: float | None = None
+    latency: float | None = None
+    output_tokens: int = 0
+    chunk_gaps: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        """First token-carrying chunk to the last, per further token."""
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return sum(self.chunk_gaps) / (self.output_tokens - 1)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'64:256' -> (64, 256); '128' -> (128, 128)."""
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if a < 1 or b < a:
+        raise ValueError(f"{text!r}: want LO:HI with 1 <= LO <= HI, or one number")
+    return a, b
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None, "n": 0}
+    xs = sorted(values)
+
+    def pick(p: float) -> float:  # linear interpolation between closest ranks
+        k = (len(xs) - 1) * p / 100
+        f = int(k)
+        return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
+
+    return {f"p{p}": pick(p) for p in PERCENTILES} | {"mean": statistics.fmean(xs), "n": len(xs)}
+
+
+async def server_info(client: httpx.AsyncClient) -> dict:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    card = r.json()["data"][0]
+    return {"model": card["id"], "max_model_len": card.get("max_model_len")}
+
+
+async def discover_vocab(client: httpx.AsyncClient, model: str, limit: int = 1 << 22) -> int:
+    """The smallest id the worker refuses as outside its vocabulary, by bisection."""
+
+    async def valid(token: int) -> bool:
+        r = await client.post("/v1/completions", json={"model": model, "prompt": [token], "max_tokens": 0, "echo": True})
+        if r.status_code == 200:
+            return True
+        if r.status_code == 400 and "vocab" in r.text:
+            return False
+        raise RuntimeError(f"probing the vocabulary with id {token}: {r.status_code} {r.text[:200]}")
+
+    if not await valid(0):
+        raise RuntimeError("the worker refuses token id 0; pass --vocab")
+    lo, hi = 0, limit  # lo valid, hi assumed invalid
+    if await valid(hi - 1):
+        return limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if await valid(mid) else (lo, mid)
+    return hi
+
+
+def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(*prompt_len)
+        out.append(([rng.randrange(vocab) for _ in range(p)], rng.randint(*output_len)))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, t0: float,
+                      timeout: float) -> RequestRecord:
+    rec = RequestRecord(len(prompt), max_tokens)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    rec.sent = start - t0
+    last = None
+    usage = None
+    done = False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                now = time.perf_counter()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"error in stream: {chunk['error'].get('message')}"
+                    return rec
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    if last is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.chunk_gaps.append(now - last)
+                    last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        return rec
+    rec.latency = time.perf_counter() - start
+    if not done:
+        rec.error = "stream ended without [DONE]"
+    elif usage is None:
+        rec.error = "no usage chunk"
+    elif usage["completion_tokens"] != max_tokens:
+        rec.error = f"asked for {max_tokens} tokens, got {usage['completion_tokens']}"
+    else:
+        rec.output_tokens = usage["completion_tokens"]
+        rec.ok = True
+    return rec
+
+
+async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                   seed: int, vocab: int | None, warmup: int, timeout: float, progress=lambda msg: None) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=60, limits=limits) as client:
+        info = await server_info(client)
+        need = prompt_len[1] + output_len[1]
+        if info["max_model_len"] and need > info["max_model_len"]:
+            raise ValueError(f"prompt up to {prompt_len[1]} + output up to {output_len[1]} tokens exceeds the worker's "
+                             f"context length {info['max_model_len']}; lower --prompt-len or --output-len")
+        if vocab is None:
+            vocab = await discover_vocab(client, info["model"])
+            progress(f"vocabulary: {vocab} ids (found by bisection)")
+        work = make_requests(warmup + requests, prompt_len, output_len, vocab, seed)
+        if warmup:
+            progress(f"{warmup} warm-up request(s)")
+            warm = await asyncio.gather(*(one_request(client, info["model"], p, m, time.perf_counter(), timeout)
+                                          for p, m in work[:warmup]))
+            bad = [w.error for w in warm if not w.ok]
+            if bad:
+                raise RuntimeError(f"warm-up failed: {bad[0]}")
+        queue = list(reversed(work[warmup:]))
+        records: list[RequestRecord] = []
+        progress(f"{requests} requests, {concurrency} concurrent")
+        t0 = time.perf_counter()
+
+        async def client_loop():
+            while queue:
+                prompt, max_tokens = queue.pop()
+                records.append(await one_request(client, info["model"], prompt, max_tokens, t0, timeout))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return summarize(records, wall, info | {"url": url, "vocab": vocab}, {
+        "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len), "output_len": list(output_len),
+        "seed": seed, "warmup": warmup})
+
+
+def summarize(records: list[RequestRecord], wall: float, server: dict, config: dict) -> dict:
+    good = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in good)
+    prompt_tokens = sum(r.prompt_tokens for r in good)
+    gaps = [g for r in good for g in r.chunk_gaps]
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "bench": "serve",
+        "server": server,
+        "config": config,
+        "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
+                    "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                    "python": platform.python_version(), "loadavg_after": load},
+        "wall_s": wall,
+        "completed": len(good),
+        "failed": len(records) - len(good),
+        "errors": sorted({r.error for r in records if r.error})[:10],
+        "throughput": {
+            "requests_per_s": len(good) / wall if wall else None,
+            "output_tokens_per_s": out_tokens / wall if wall else None,
+            "total_tokens_per_s": (out_tokens + prompt_tokens) / wall if wall else None,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": out_tokens,
+        },
+        "ttft_s": percentiles([r.ttft for r in good]),
+        "itl_s": percentiles(gaps),
+        "tpot_s": percentiles([t for r in good if (t := r.tpot) is not None]),
+        "latency_s": percentiles([r.latency for r in good]),
+        "requests": [asdict(r) | {"tpot": r.tpot} for r in records],
+    }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def format_table(result: dict) -> str:
+    s, c, t = result["server"], result["config"], result["throughput"]
+    m = result["machine"]
+    lines = [
+        f"preload bench serve: {s['url']} model {s['model']} (context {s['max_model_len']}, vocab {s['vocab']})",
+        f"{c['requests']} requests, {c['concurrency']} concurrent, prompt {c['prompt_len'][0]}-{c['prompt_len'][1]} "
+        f"tokens, output {c['output_len'][0]}-{c['output_len'][1]} tokens (ignore_eos), seed {c['seed']}; "
+        f"client on {m['hostname']} ({m['cpus_usable']} CPUs)",
+        f"completed {result['completed']}, failed {result['failed']} in {result['wall_s']:.2f} s",
+        f"throughput: {t['requests_per_s']:.2f} req/s, {t['output_tokens_per_s']:.1f} output tok/s, "
+        f"{t['total_tokens_per_s']:.1f} total tok/s",
+        "",
+        f"{'latency (ms)':<22}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'n':>8}",
+    ]
+    for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"),
+                       ("tpot_s", "time per output token"), ("latency_s", "request latency")):
+        p = result[key]
+        lines.append(f"{label:<22}{_ms(p['p50']):>10}{_ms(p['p90']):>10}{_ms(p['p99']):>10}{_ms(p['mean']):>10}{p['n']:>8}")
+    if result["errors"]:
+        lines += ["", "errors:"] + [f"  {e}" for e in result["errors"]]
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""CUDA arenas through the driver API (ctypes over libcuda; imported only for CUDA).
+
+cuda-vmm (default): one VMM allocation exported as a POSIX fd. The daemon fills it,
+then drops its own read-write mapping and keeps only the fd; workers import the fd
+and map it read-only (cuMemSetAccess with PROT_READ), so a stray write faults in the
+writer alone. The memory lives while any holder of the fd or an import lives.
+
+cuda-ipc (opt-in): a legacy cudaIpc handle (64 bytes) of one allocation per arena,
+carried in the manifest; mapped read-write, and gone when the daemon exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from preload.ipc.arena import ArenaError, TensorEntry, check_planned
+
+CU_MEM_ALLOCATION_TYPE_PINNED = 1
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class CUmemAllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", CUmemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", CUmemAllocFlags),
+    ]
+
+
+class CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # bytes, not a C string: NULs included
+
+
+_driver = None
+
+
+def _cu():
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+    return _driver
+
+
+def _check(result: int, call: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _cu().cuGetErrorName(result, ctypes.byref(name))
+        raise ArenaError(f"{call} failed: {(name.value or b'?').decode()} ({result})")
+
+
+def _device_context(device: torch.device) -> int:
+    """Make torch's context for `device` current on this thread; return its ordinal."""
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_device(ordinal)
+    torch.cuda.init()
+    torch.empty(1, device=device)  # forces the primary context into existence
+    return ordinal
+
+
+class _CudaBuffer:
+    """A raw device range, viewable by torch through __cuda_array_interface__. (torch
+    rejects the interface's read-only flag; read-only maps are enforced by the driver.)"""
+
+    def __init__(self, ptr: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _as_tensor(ptr: int, size: int, ordinal: int) -> torch.Tensor:
+    return torch.as_tensor(_CudaBuffer(ptr, size), device=f"cuda:{ordinal}")
+
+
+def _copy_into(base: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor) -> None:
+    check_planned(entry, tensor)
+    src = tensor.detach().contiguous().view(torch.uint8).reshape(-1)
+    base[entry.offset : entry.offset + entry.nbytes].copy_(src, non_blocking=True)
+
+
+def _prop(ordinal: int) -> CUmemAllocationProp:
+    prop = CUmemAllocationProp()
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location = CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+    return prop
+
+
+def _map(handle: int, size: int, ordinal: int, flags: int) -> int:
+    """Reserve an address range, map the allocation there, grant this device `flags`."""
+    cu, ptr = _cu(), ctypes.c_uint64()
+    _check(cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+    try:
+        _check(cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(handle), ctypes.c_ulonglong(0)), "cuMemMap")
+        desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal), flags)
+        _check(cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
+    except ArenaError:
+        _unmap(ptr.value, size)
+        raise
+    return ptr.value
+
+
+def _unmap(ptr: int, size: int) -> None:
+    cu = _cu()
+    cu.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+    cu.cuMemAddressFree(ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+
+
+def granularity(ordinal: int) -> int:
+    g = ctypes.c_size_t()
+    _check(_cu().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(_prop(ordinal)), 0), "cuMemGetAllocationGranularity")
+    return g.value
+
+
+def check_device_memory(size: int, device: torch.device) -> None:
+    free, _ = torch.cuda.mem_get_info(device)
+    if size > free:
+        raise ArenaError(f"not enough memory on {device} for the arena: need {size / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
+
+
+class VmmArena:
+    """Daemon side of a cuda-vmm arena."""
+
+    transport = "cuda-vmm"
+
+    def __init__(self, size: int, device: torch.device):
+        self.ordinal = _device_context(device)
+        g = granularity(self.ordinal)
+        self.size = -(-size // g) * g
+        check_device_memory(self.size, device)
+        cu, handle = _cu(), ctypes.c_uint64()
+        _check(cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(_prop(self.ordinal)), ctypes.c_ulonglong(0)), "cuMemCreate")
+        self.handle, self.ptr, self.fd = handle.value, None, -1
+        try:
+            fd = ctypes.c_int(-1)
+            _check(cu.cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_uint64(self.handle), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, ctypes.c_ulonglong(0)), "cuMemExportToShareableHandle")
+            self.fd = fd.value
+            os.set_inheritable(self.fd, False)
+            self.ptr = _map(self.handle, self.size, self.ordinal, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        except BaseException:
+            self.close()
+            raise
+        self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+
+    def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        _copy_into(self.base, entry, tensor)
+
+    def seal(self) -> None:
+        """Drop the daemon's own writable mapping: from now on only read-only maps exist."""
+        torch.cuda.synchronize(self.ordinal)
+        self.base = None
+        _unmap(self.ptr, self.size)
+        self.ptr = None
+        _cu().cuMemRelease(ctypes.c_uint64(self.handle))  # the exported fd keeps the memory alive
+        self.handle = None
+
+    def info(self) -> dict:
+        return {"transport": self.transport, "size": self.size, "device": self.ordinal}
+
+    def fds(self) -> list[int]:
+        return [self.fd]
+
+    def close(self) -> None:
+        self.base = None
+        if self.ptr is not None:
+            _unmap(self.ptr, self.size)
+            self.ptr = None
+        if self.handle is not None:
+            _cu().cuMemRelease(ctypes.c_uint64(self.handle))
+            self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class VmmMapping:
+    """Worker side: the arena imported from its fd and mapped read-only."""
+
+    def __init__(self, info: dict, fds: list[int]):
+        self.size, self.ordinal = int(info["size"]), int(info["device"])
+        self.fd = fds[0]
+        self.ptr = self.handle = None
+        try:
+            _device_context(torch.device("cuda", self.ordinal))
+            handle = ctypes.c_uint64()
+            _check(_cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(self.fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+            self.handle = handle.value
+            self.ptr = _map(self.handle, self.size, self.ordinal, CU_MEM_ACCESS_FLAGS_PROT_READ)
+        except BaseException:
+            self.close()
+            raise
+        self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+
+    def close(self) -> None:
+        self.base = None
+        if self.ptr is not None:
+            torch.cuda.synchronize(self.ordinal)
+            _unmap(self.ptr, self.size)
+            self.ptr = None
+        if self.handle is not None:
+            _cu().cuMemRelease(ctypes.c_uint64(self.handle))
+            self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class IpcArena:
+    """Daemon side of a legacy cuda-ipc arena: one cuMemAlloc, one IPC handle."""
+
+    transport = "cuda-ipc"
+
+    def __init__(self, size: int, device: torch.device):
+        self.ordinal = _device_context(device)
+        self.size = size
+        check_device_memory(size, device)
+        ptr = ctypes.c_uint64()
+        _check(_cu().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
+        self.ptr = ptr.value
+        ipc = CUipcMemHandle()
+        _check(_cu().cuIpcGetMemHandle(ctypes.byref(ipc), ctypes.c_uint64(self.ptr)), "cuIpcGetMemHandle")
+        self.ipc_handle = bytes(ipc.reserved)
+        self.base = _as_tensor(self.ptr, size, self.ordinal)
+
+    def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        _copy_into(self.base, entry, tensor)
+
+    def seal(self) -> None:
+        torch.cuda.synchronize(self.ordinal)
+
+    def info(self) -> dict:
+        return {"transport": self.transport, "size": self.size, "device": self.ordinal, "ipc_handle": self.ipc_handle}
+
+    def fds(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        self.base = None
+        if self.ptr is not None:
+            torch.cuda.synchronize(self.ordinal)
+            _cu().cuMemFree_v2(ctypes.c_uint64(self.ptr))
+            self.ptr = None
+
+
+class IpcMapping:
+    def __init__(self, info: dict, fds: list[int]):
+        for fd in fds:
+            os.close(fd)
+        self.size, self.ordinal = int(info["size"]), int(info["device"])
+        _device_context(torch.device("cuda", self.ordinal))
+        ipc = CUipcMemHandle.from_buffer_copy(info["ipc_handle"])
+        ptr = ctypes.c_uint64()
+        open_handle = _cu().cuIpcOpenMemHandle_v2
+        open_handle.argtypes = [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint]  # the handle goes by value
+        _check(open_handle(ctypes.byref(ptr), ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+        self.ptr = ptr.value
+        self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+
+    def close(self) -> None:
+        self.base = None
+        if self.ptr is not None:
+            torch.cuda.synchronize(self.ordinal)
+            _cu().cuIpcCloseMemHandle(ctypes.c_uint64(self.ptr))
+            self.ptr = None
