@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -211,8 +212,12 @@ def stop(state_dir, timeout):
             pid = client.request("status")["status"]["pid"]
             client.request("shutdown")
     except DaemonUnavailable:
-        click.echo(f"no preload daemon running on {state_dir}")
-        return
+        pid = lock_holder(state_dir / "daemon.lock")
+        if pid is None:
+            click.echo(f"no preload daemon running on {state_dir}")
+            return
+        click.echo(f"preload daemon (pid {pid}) does not answer; sending SIGTERM", err=True)
+        os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while _alive(pid):
         if time.monotonic() > deadline:
@@ -249,6 +254,24 @@ def restart(state_dir, now, timeout):
         sys.exit(1)
     pids = ", ".join(str(w["pid"]) for w in workers)
     click.echo(f"{len(workers)} workers replaced in {time.monotonic() - t0:.2f} s (pids {pids})")
+
+
+def lock_holder(path: Path) -> int | None:
+    """The pid in a daemon lock file while a live daemon holds the lock, else None."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # nobody holds it
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode().strip()
+        return int(text) if text.isdigit() else None
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -4,8 +4,14 @@ when run, so `preload --help` and `preload status` never pay for importing torch
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
+
+# Idle OpenMP threads that spin make every engine step many times slower when other
+# processes share the cores (workers, the zygote, tests): let them sleep instead. Set
+# before anything imports torch; children (daemon, zygote, workers) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 COMMANDS = {
     "bench": ("preload.cli.bench", "bench", "Benchmarks: print a table, write JSON."),

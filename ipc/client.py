@@ -30,10 +30,11 @@ class DaemonClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control_address(self.state_dir))
 
-    def request(self, op: str, **fields) -> dict:
+    def request(self, op: str, timeout: float | None = None, **fields) -> dict:
+        timeout_ms = self.timeout_ms if timeout is None else int(timeout * 1000)
         self._sock.send(encode({"op": op, **fields}))
-        if not self._sock.poll(self.timeout_ms):
-            raise DaemonUnavailable(f"the daemon on {self.state_dir} did not answer {op!r} within {self.timeout_ms} ms")
+        if not self._sock.poll(timeout_ms):
+            raise DaemonUnavailable(f"the daemon on {self.state_dir} did not answer {op!r} within {timeout_ms} ms")
         reply = decode(self._sock.recv())
         if not reply.get("ok"):
             raise DaemonError(reply.get("error", "unknown error"))

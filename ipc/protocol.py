@@ -72,6 +72,10 @@ def recv_with_fds(sock: socket.socket, max_fds: int = 16) -> tuple[dict, list[in
     if len(first) < 4:
         raise ProtocolError("short message on the fd socket")
     (length,) = struct.unpack("!I", first[:4])
+    if length > MAX_MESSAGE:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"message of {length} bytes exceeds {MAX_MESSAGE}")
     data = first[4:]
     while len(data) < length:
         chunk = sock.recv(length - len(data))

@@ -36,15 +36,26 @@ class PeerPolicy:
         self.uids = {os.getuid(), *uids}
         self.gids = set(gids)
 
+    @property
+    def others_allowed(self) -> bool:
+        return bool(self.uids - {os.getuid()} or self.gids)
+
     def allows(self, uid: int, gid: int) -> bool:
         return uid in self.uids or gid in self.gids
 
 
+UNKNOWN_PEER = (-1, -1, -1)
+
+
 def zmq_peer(frame: zmq.Frame) -> tuple[int, int, int]:
     """(pid, uid, gid) of a ZeroMQ ipc peer; libzmq appends ':uid:gid:pid' to the
-    peer address it reads with SO_PEERCRED."""
-    _, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
-    return int(pid), int(uid), int(gid)
+    peer address it reads with SO_PEERCRED. Peers without one (old ZMTP versions)
+    are unknown, and unknown peers are refused."""
+    try:
+        _, uid, gid, pid = frame.get("Peer-Address").rsplit(":", 3)
+        return int(pid), int(uid), int(gid)
+    except (zmq.ZMQError, ValueError):
+        return UNKNOWN_PEER
 
 
 class ControlServer:
@@ -66,8 +77,11 @@ class ControlServer:
         self._fd_sock.bind(str(fd_socket_path(state_dir)))
         self._fd_sock.listen(64)
         self._fd_sock.settimeout(0.2)
+        # Owner only, unless the operator allow-listed other uids or gids: then anyone may
+        # connect and the peer check alone decides.
+        mode = 0o666 if policy.others_allowed else 0o600
         for path in (state_dir / "control.sock", fd_socket_path(state_dir)):
-            os.chmod(path, 0o600)
+            os.chmod(path, mode)
         self._threads = [
             threading.Thread(target=self._serve_requests, name="control", daemon=True),
             threading.Thread(target=self._serve_fds, name="fds", daemon=True),
@@ -98,15 +112,21 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
-                continue
-            frames = self._router.recv_multipart(copy=False)
-            if len(frames) != 2:
+            try:
+                if not poller.poll(200):
+                    continue
+                identity, *payload = self._router.recv_multipart(copy=False)
+                if len(payload) != 1:
+                    self.on_error()
+                    reply = {"ok": False, "error": f"expected one message frame, got {len(payload)}"}
+                else:
+                    reply = self._reply(payload[0].bytes, *zmq_peer(payload[0]))
+                self._router.send_multipart([identity.bytes, encode(reply)])
+            except zmq.ZMQError as e:  # one broken peer must not silence the daemon
+                if self._stop.is_set():
+                    return
                 self.on_error()
-                continue  # not from our client: no reply envelope to answer on
-            identity, payload = frames
-            reply = self._reply(payload.bytes, *zmq_peer(payload))
-            self._router.send_multipart([identity.bytes, encode(reply)])
+                log.warning("control socket: %s", e)
 
     def _serve_fds(self) -> None:
         while not self._stop.is_set():
@@ -116,24 +136,35 @@ class ControlServer:
                 continue
             except OSError:
                 return  # closed
-            with conn:
-                conn.settimeout(5)
+            # A thread per connection: a client that connects and says nothing must not
+            # hold up every other attach.
+            threading.Thread(target=self._fd_connection, args=(conn,), name="fds-conn", daemon=True).start()
+
+    def _fd_connection(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(2)
+            try:
+                self._send_fds(conn)
+            except (OSError, ProtocolError) as e:
+                self.on_error()
+                log.warning("fd request failed: %s", e)
                 try:
-                    self._send_fds(conn)
-                except (OSError, ProtocolError) as e:
-                    self.on_error()
-                    log.warning("fd request failed: %s", e)
+                    send_with_fds(conn, {"ok": False, "error": str(e)}, [])
+                except OSError:
+                    pass
 
     def _send_fds(self, conn: socket.socket) -> None:
         pid, uid, gid = peer_credentials(conn)
-        msg, stray = recv_with_fds(conn, max_fds=0)
-        for fd in stray:
-            os.close(fd)
-        if not self.policy.allows(uid, gid):
+        if not self.policy.allows(uid, gid):  # before reading anything the peer sent
             self.on_error()
             log.warning("refused arena fds to pid %d uid %d", pid, uid)
             send_with_fds(conn, {"ok": False, "error": f"uid {uid} is not allowed to use this daemon"}, [])
-        elif msg.get("op") != "fds":
+            return
+        msg, stray = recv_with_fds(conn, max_fds=0)
+        for fd in stray:
+            os.close(fd)
+        if msg.get("op") != "fds":
+            self.on_error()
             send_with_fds(conn, {"ok": False, "error": f"unknown op {msg.get('op')!r} on the fd socket"}, [])
         else:
             handle, fds = self.fds()

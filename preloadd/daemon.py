@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import tempfile
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import DaemonMetrics, HttpServer, bind, make_app
 from preload.preloadd.loader import Loaded, Progress, load
 from preload.preloadd.supervisor import Supervisor
+from preload.worker.serve import listen
 
 log = logging.getLogger("preload.daemon")
 
@@ -56,14 +56,14 @@ class DaemonOptions:
     ready_timeout: float = 300.0
 
 
-def prepare_state_dir(path: Path) -> None:
-    """Create the state dir 0700, or check that an existing one is ours and private."""
+def prepare_state_dir(path: Path, others_allowed: bool) -> None:
+    """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
+    may reach the sockets, not list the dir) when other uids or gids are allow-listed."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid():
         raise DaemonError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    os.chmod(path, 0o711 if others_allowed else 0o700)
 
 
 class PidLock:
@@ -189,7 +189,7 @@ class Daemon:
     def run(self, notify: Callable[[dict], None]) -> None:
         """Start, report ready through `notify`, serve until asked to stop, clean up."""
         o = self.opts
-        prepare_state_dir(o.state_dir)
+        prepare_state_dir(o.state_dir, PeerPolicy(o.allow_uids, o.allow_gids).others_allowed)
         lock = PidLock(o.state_dir / "daemon.lock", f"state dir {o.state_dir}")
         gpu_lock = http = api = None
         try:
@@ -202,7 +202,7 @@ class Daemon:
                 raise DaemonError(f"health port: {e}") from None
             if o.workers:
                 try:  # bound now, so that clients queue in its backlog from the start
-                    api = socket.create_server((o.api_host, o.api_port), backlog=1024)
+                    api = listen(o.api_host, o.api_port)
                 except OSError as e:
                     raise DaemonError(f"API port: cannot listen on {o.api_host}:{o.api_port}: {e.strerror}") from None
             self._install_signal_handlers()

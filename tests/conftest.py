@@ -9,3 +9,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random DeepSeek-V3 checkpoint (float32, q_lora, grouped routing, YaRN) for
+    daemon tests, its dense MLP wider than one 128x128 FP8 block so that fp8_block and
+    fp8_per_tensor differ. Shared by every test: copy it before changing anything in it."""
+    from checkpoints import CASES, make_hf_model, save_hf_model
+
+    arch, overrides = CASES["v3-qlora-yarn"]
+    model = make_hf_model(arch, seed=11, **(overrides | {"intermediate_size": 288}))
+    return save_hf_model(model, tmp_path_factory.mktemp("tiny-v3-ckpt"))

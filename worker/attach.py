@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from preload.ipc.arena import ArenaError, TensorEntry, map_arena, tensor_views
-from preload.ipc.client import DaemonClient
+from preload.ipc.client import DaemonClient, DaemonUnavailable
 from preload.ipc.protocol import default_state_dir
 from preload.preloadd.loader import FILE_PREFIX
 
@@ -56,7 +56,9 @@ class AttachedWeights(Mapping[str, torch.Tensor]):
         """Tell the daemon we are done; views already handed out stay valid until freed."""
         if self._client is not None:
             try:
-                self._client.request("release")
+                self._client.request("release", timeout=1.0)
+            except DaemonUnavailable:
+                pass  # the daemon is gone: nobody to tell, and the mapping is ours to drop
             finally:
                 self._client.close()
                 self._client = None

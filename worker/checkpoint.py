@@ -4,6 +4,7 @@ or DeepSeek's native FP8 (e4m3 weights with `weight_scale_inv` block scales)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,6 +36,39 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def header_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file that safetensors refused, naming the first
+    tensor whose header entry lies (its bytes do not match its shape, or it runs past
+    the end of the file, or overlaps its neighbour)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+            data_bytes = f.seek(0, 2) - 8 - n
+    except (OSError, ValueError) as e:
+        return f"unreadable safetensors header ({e})"
+    header.pop("__metadata__", None)
+    # An entry that lies on its own first (its size, or the file's end), since moving one
+    # entry also leaves a gap beside an honest neighbour.
+    for name, info in header.items():
+        a, b = info["data_offsets"]
+        if b - a != math.prod(info["shape"]) * DTYPE_BYTES.get(info["dtype"], 0):
+            return f"tensor {name}: data_offsets [{a}, {b}] do not hold a {info['dtype']} tensor of shape {info['shape']}"
+        if b > data_bytes:
+            return f"tensor {name}: data_offsets [{a}, {b}] run past the end of the data ({data_bytes} bytes; truncated file?)"
+    end = 0
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        a, b = info["data_offsets"]
+        if a != end:
+            return f"tensor {name}: data_offsets [{a}, {b}] leave a gap or overlap after byte {end}"
+        end = b
+    return None
+
+
 class CheckpointReader:
     """Name -> file index over a checkpoint's safetensors files, read one tensor at a time (mmap)."""
 
@@ -47,7 +81,7 @@ class CheckpointReader:
                 handle = self._stack.enter_context(safe_open(path, framework="pt"))
             except (SafetensorError, OSError) as e:
                 self.close()
-                raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from None
+                raise CheckpointError(f"{path}: {header_problem(path) or f'cannot read safetensors header: {e}'}") from None
             for name in handle.keys():
                 self.files[name] = (path, handle)
 

@@ -81,6 +81,60 @@ class TextStream:
         return chunk, new_tokens
 
 
+class BodyLimit:
+    """ASGI wrapper that refuses request bodies over `limit` bytes with an OpenAI-style
+    413: at once when Content-Length says so, else as soon as the chunks add up to more
+    (the app then sees a disconnect and whatever it answers is replaced)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(error_body(f"request body larger than {self.limit} bytes", code=413)).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await self._refuse(send)
+        seen, over = 0, False
+
+        async def counted():
+            nonlocal seen, over
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                over = True
+                return {"type": "http.disconnect"}
+            return message
+
+        async def unless_over(message):
+            if not over:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, unless_over)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await self._refuse(send)
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work`, cancelling it (and so aborting its sequences) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait([task], timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            raise ApiError(499, "client closed the request")
+    return task.result()
+
+
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -91,7 +145,6 @@ def create_app(
     model_name: str,
     state: WorkerState,
     trust_request_chat_template: bool = False,
-    max_request_bytes: int = 4 << 20,
     lifespan=None,
 ) -> FastAPI:
     app = FastAPI(title="preload worker", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -120,13 +173,13 @@ def create_app(
     async def _http(_, e: StarletteHTTPException):
         return error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_, e: Exception):
+        return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
     @app.middleware("http")
-    async def _limit_and_count(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_request_bytes):
-            response = error(413, f"request body larger than {max_request_bytes} bytes")
-        else:
-            response = await call_next(request)
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
         metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response
 
@@ -188,11 +241,10 @@ def create_app(
         p, c = sum(len(s.prompt) for s in seqs), sum(len(s.output) for s in seqs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def usage_chunk(req, obj: str):
+    def usage_chunk(req, rid: str, created: int, obj: str):
         if not (req.stream_options and req.stream_options.get("include_usage")):
             return None
-        return lambda u: {"id": f"usage-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
-                          "model": model_name, "choices": [], "usage": u}
+        return lambda u: {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [], "usage": u}
 
     def top_dict(top: dict[int, float]) -> dict[str, float]:
         return {tokenizer.token_text(t): lp for t, lp in top.items()}
@@ -240,7 +292,7 @@ def create_app(
     # ---- /v1/completions ----------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         arrived = time.monotonic()
         check(req)
         prompts = [tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts_raw()]
@@ -284,10 +336,10 @@ def create_app(
                           "finish_reason": finished}
                 return [{"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}]
 
-            return StreamingResponse(stream(chunks, usage_chunk(req, "text_completion"), seqs, arrived), media_type="text/event-stream")
+            return StreamingResponse(stream(chunks, usage_chunk(req, rid, created, "text_completion"), seqs, arrived), media_type="text/event-stream")
 
         try:
-            await asyncio.gather(*(run(s, arrived) for s in seqs))
+            await until_disconnected(request, asyncio.gather(*(run(s, arrived) for s in seqs)))
         except EngineDead as e:
             raise ApiError(503, str(e), "service_unavailable") from None
         choices = []
@@ -306,7 +358,7 @@ def create_app(
     # ---- /v1/chat/completions -----------------------------------------------------------
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         arrived = time.monotonic()
         check(req)
         if (req.chat_template is not None or req.chat_template_kwargs) and not trust_request_chat_template:
@@ -323,7 +375,7 @@ def create_app(
             )
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+        max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None), DEFAULT_MAX_TOKENS)
         n_top = (req.top_logprobs or 0) if req.logprobs else None
         try:
             params = req.sampling(max_tokens, n_top, prompt_logprobs=False)
@@ -359,10 +411,10 @@ def create_app(
                 return [envelope({"index": 0, "delta": {"content": text} if text else {},
                                   "logprobs": content_logprobs(tokens), "finish_reason": finished}, "chat.completion.chunk")]
 
-            return StreamingResponse(stream(chunks, usage_chunk(req, "chat.completion.chunk"), [seq], arrived), media_type="text/event-stream")
+            return StreamingResponse(stream(chunks, usage_chunk(req, rid, created, "chat.completion.chunk"), [seq], arrived), media_type="text/event-stream")
 
         try:
-            await run(seq, arrived)
+            await until_disconnected(request, run(seq, arrived))
         except EngineDead as e:
             raise ApiError(503, str(e), "service_unavailable") from None
         choice = {"index": 0, "message": {"role": "assistant", "content": text_of(seq)},

@@ -1,0 +1,323 @@
+"""The control protocol against a running daemon, spoken raw: malformed, foreign or
+unknown messages get an error reply and the daemon keeps serving everyone else;
+clients of another uid are refused unless allow-listed; no pickle anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from daemons import running_daemon
+
+import preload
+from preload import attach
+from preload.ipc.client import DaemonClient, DaemonError
+from preload.ipc.protocol import PROTOCOL_VERSION, ProtocolError, recv_with_fds, send_with_fds
+
+NOBODY = 65534
+REPLY_TIMEOUT_MS = 3000
+
+
+@pytest.fixture(scope="module")
+def base_dir():
+    """A private temp dir that another uid may traverse (pytest's own tmp root is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="preload-proto-", dir="/tmp"))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_checkpoint, base_dir):
+    with running_daemon(base_dir / "state", tiny_checkpoint) as d:
+        yield d
+
+
+# ---- raw ZeroMQ ----------------------------------------------------------------
+
+
+@pytest.fixture
+def dealer(daemon):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"ipc://{daemon.state_dir / 'control.sock'}")
+    yield sock
+    ctx.destroy(linger=0)
+
+
+def exchange(sock: zmq.Socket, *frames: bytes) -> dict:
+    sock.send_multipart(list(frames))
+    assert sock.poll(REPLY_TIMEOUT_MS), "the daemon did not reply"
+    reply = msgpack.unpackb(sock.recv(), raw=False)
+    assert isinstance(reply, dict), reply
+    return reply
+
+
+def still_serves(sock: zmq.Socket) -> None:
+    reply = exchange(sock, msgpack.packb({"v": PROTOCOL_VERSION, "op": "status"}))
+    assert reply["ok"] is True and reply["status"]["state"] == "ready"
+
+
+BAD_MESSAGES = {
+    "garbage": (b"\xc1 this is not msgpack \xff\x00", None),
+    "empty": (b"", None),
+    "truncated": (msgpack.packb({"v": PROTOCOL_VERSION, "op": "status"})[:-3], None),
+    "not-a-map": (msgpack.packb([1, 2, 3]), None),
+    "a-bare-string": (msgpack.packb("status"), None),
+    "non-string-keys": (msgpack.packb({1: "status"}), None),
+    "no-version": (msgpack.packb({"op": "status"}), "version"),
+    "wrong-version": (msgpack.packb({"v": 99, "op": "status"}), "99"),
+    "unknown-op": (msgpack.packb({"v": PROTOCOL_VERSION, "op": "format_disk"}), "format_disk"),
+    "no-op": (msgpack.packb({"v": PROTOCOL_VERSION}), "op"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_MESSAGES))
+def test_a_bad_request_gets_an_error_reply_and_the_daemon_keeps_serving(kind, daemon, dealer):
+    payload, mentions = BAD_MESSAGES[kind]
+    errors = daemon.metrics()["preload_errors_total"]
+    reply = exchange(dealer, payload)
+    assert reply["ok"] is False
+    assert isinstance(reply["error"], str) and reply["error"]
+    assert "internal error" not in reply["error"], "a malformed request is the client's fault, not a daemon bug"
+    if mentions:
+        assert mentions in reply["error"]
+    assert reply.get("v") == PROTOCOL_VERSION
+    assert daemon.metrics()["preload_errors_total"] == errors + 1
+    still_serves(dealer)
+
+
+def test_a_multi_frame_request_gets_an_error_reply(daemon, dealer):
+    reply = exchange(dealer, msgpack.packb({"v": PROTOCOL_VERSION, "op": "status"}), b"extra frame")
+    assert reply["ok"] is False and reply["error"]
+    still_serves(dealer)
+
+
+# ---- the fd socket ---------------------------------------------------------------
+
+
+def fd_exchange(daemon, raw: bytes) -> tuple[dict, list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(REPLY_TIMEOUT_MS / 1000)
+        sock.connect(str(daemon.state_dir / "fds.sock"))
+        sock.sendall(raw)
+        try:
+            return recv_with_fds(sock)
+        except TimeoutError:
+            pytest.fail("the daemon did not reply on the fd socket")
+        except (ProtocolError, ConnectionError) as e:
+            pytest.fail(f"the daemon hung up on the fd socket without an error reply ({e})")
+
+
+def framed(payload: bytes) -> bytes:
+    return struct.pack("!I", len(payload)) + payload
+
+
+def still_serves_fds(daemon) -> None:
+    with DaemonClient(daemon.state_dir, timeout=5) as client:
+        handle, fds = client.arena_fds()
+    for fd in fds:
+        os.close(fd)
+    assert handle["transport"] == "memfd" and len(fds) == 1
+
+
+FD_BAD_MESSAGES = {
+    "unknown-op": framed(msgpack.packb({"v": PROTOCOL_VERSION, "op": "manifest"})),
+    "wrong-version": framed(msgpack.packb({"v": 99, "op": "fds"})),
+    "garbage": framed(b"\xc1\xc1 not msgpack"),
+    "absurd-length": b"\xff\xff\xff\xff" + b"junk",
+}
+
+
+@pytest.mark.parametrize("kind", list(FD_BAD_MESSAGES))
+def test_a_bad_fd_request_gets_an_error_reply_and_no_fds(kind, daemon):
+    reply, fds = fd_exchange(daemon, FD_BAD_MESSAGES[kind])
+    for fd in fds:
+        os.close(fd)
+    assert reply["ok"] is False and reply["error"]
+    assert fds == []
+    still_serves_fds(daemon)
+
+
+def test_a_silent_client_on_the_fd_socket_does_not_hold_up_others(daemon):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(str(daemon.state_dir / "fds.sock"))  # ... and never says anything
+        # Another worker attaching meanwhile is served at once (its timeout is well
+        # below the daemon's patience with the silent one).
+        with DaemonClient(daemon.state_dir, timeout=2) as client:
+            _, fds = client.arena_fds()
+        for fd in fds:
+            os.close(fd)
+        assert len(fds) == 1
+
+
+# ---- other uids ------------------------------------------------------------------
+
+
+def as_nobody(fn, *args, timeout: float = 60) -> dict:
+    """fn(*args) in a forked child that dropped to uid and gid 65534; its JSON result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                result = {"crash": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    try:
+        with os.fdopen(r, "rb") as pipe:
+            while select.select([pipe], [], [], timeout)[0]:
+                chunk = os.read(pipe.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+            else:
+                pytest.fail(f"the uid {NOBODY} child did not finish within {timeout} s")
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def ask_everything(state_dir: str) -> dict:
+    """Runs as uid 65534: what does the daemon say on each socket?"""
+    out = {"uid": os.getuid()}
+    try:
+        with DaemonClient(state_dir, timeout=5) as client:
+            out["zmq"] = {"served": client.request("status")["status"]["state"]}
+    except DaemonError as e:
+        out["zmq"] = {"refused": str(e)}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(os.path.join(state_dir, "fds.sock"))
+        send_with_fds(sock, {"op": "fds"}, [])
+        reply, fds = recv_with_fds(sock)
+        out["fds"] = {"reply": reply, "fds": len(fds)}
+        for fd in fds:
+            os.close(fd)
+    return out
+
+
+def attach_and_read(state_dir: str) -> dict:
+    """Runs as uid 65534: attach and touch every weight."""
+    with attach(state_dir) as weights:
+        total = sum(float(t.float().sum()) for t in weights.values())
+        return {"uid": os.getuid(), "fingerprint": weights.fingerprint, "tensors": len(weights), "finite": total == total}
+
+
+def open_to_others(state_dir: Path) -> None:
+    """What an operator does to let another uid reach the sockets at all; the daemon's
+    uid check is then the only thing between that uid and the weights."""
+    os.chmod(state_dir, 0o711)
+    for name in ("control.sock", "fds.sock"):
+        os.chmod(state_dir / name, 0o666)
+
+
+def close_to_others(state_dir: Path) -> None:
+    os.chmod(state_dir, 0o700)
+    for name in ("control.sock", "fds.sock"):
+        os.chmod(state_dir / name, 0o600)
+
+
+def test_a_client_of_another_uid_is_refused_on_both_sockets(daemon):
+    errors = daemon.metrics()["preload_errors_total"]
+    open_to_others(daemon.state_dir)
+    try:
+        seen = as_nobody(ask_everything, str(daemon.state_dir))
+    finally:
+        close_to_others(daemon.state_dir)
+    assert seen.get("uid") == NOBODY, seen
+    assert "refused" in seen["zmq"], seen
+    assert str(NOBODY) in seen["zmq"]["refused"]
+    assert seen["fds"]["reply"]["ok"] is False and seen["fds"]["reply"]["error"]
+    assert seen["fds"]["fds"] == 0, "arena fds were handed to a refused uid"
+    assert daemon.metrics()["preload_errors_total"] == errors + 2
+    assert daemon.get("/health").status_code == 200
+
+
+def test_an_allow_listed_uid_attaches(tiny_checkpoint, base_dir):
+    with running_daemon(base_dir / "allow-state", tiny_checkpoint, "--allow-uid", NOBODY) as d:
+        open_to_others(d.state_dir)
+        got = as_nobody(attach_and_read, str(d.state_dir))
+        assert got.get("uid") == NOBODY, got
+        assert got["fingerprint"] == d.status()["fingerprint"]
+        assert got["tensors"] > 0 and got["finite"]
+        assert d.metrics()["preload_errors_total"] == 0
+
+
+# ---- foreign peers on the control socket ------------------------------------------
+
+FOREIGN_PEERS = {
+    # ZMTP/1.0, which libzmq still accepts: an empty identity frame, then one message.
+    # Such a peer comes without the credentials (Peer-Address) that ZMTP/3 peers carry.
+    "zmtp-1.0": b"\x01\x00" + b"\x06\x00hello",
+    "http": b"GET /status HTTP/1.0\r\n\r\n" + bytes(range(256)) * 2,
+}
+
+
+def test_foreign_peers_on_the_control_socket_do_not_take_it_down(tiny_checkpoint, tmp_path):
+    """Its own daemon: a failure here must not cascade into the other tests."""
+    with running_daemon(tmp_path / "state", tiny_checkpoint) as d:
+        for kind, junk in FOREIGN_PEERS.items():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.connect(str(d.state_dir / "control.sock"))
+                raw.sendall(junk)
+                time.sleep(0.5)  # let the daemon read it before anyone else speaks
+            ctx = zmq.Context()
+            try:
+                sock = ctx.socket(zmq.DEALER)
+                sock.connect(f"ipc://{d.state_dir / 'control.sock'}")
+                sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "status"}))
+                assert sock.poll(REPLY_TIMEOUT_MS), f"after a {kind} peer, the daemon no longer answers requests"
+                assert msgpack.unpackb(sock.recv())["ok"] is True
+            finally:
+                ctx.destroy(linger=0)
+            assert d.get("/health").status_code == 200
+
+
+# ---- no pickle -------------------------------------------------------------------
+
+
+def test_no_pickle_anywhere_in_the_product():
+    """Nothing that unpickles (or pickles for another process to unpickle): not the
+    pickle family, not torch.save/torch.load, not torch's tensor reductions."""
+    root = Path(preload.__file__).parent
+    pattern = re.compile(
+        r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|_pickle)\b"
+        r"|\b(c?pickle|dill|cloudpickle|_pickle)\.\w+"
+        r"|\btorch\.(load|save)\s*\("
+        r"|\b(reduce_tensor|rebuild_tensor|ForkingPickler)\b",
+        re.M,
+    )
+    offenders = [
+        f"{path.relative_to(root)}: {m.group(0).strip()}"
+        for folder in ("preloadd", "worker", "ipc", "cli", "kernels", "bench")
+        for path in sorted((root / folder).rglob("*.py"))
+        for m in pattern.finditer(path.read_text())
+    ]
+    assert (root / "ipc" / "protocol.py").exists(), "searched the wrong tree"
+    assert offenders == []
