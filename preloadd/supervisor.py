@@ -253,7 +253,9 @@ class Supervisor:
                     self.slots[w.slot].restarts += 1
                     _signal(w.pid, signal.SIGKILL)
             return
-        for old in sorted(list(self.workers.values()), key=lambda w: w.slot):
+        with self._lock:  # workers already on their way out (an earlier restart) are not replaced twice
+            current = sorted((w for w in self.workers.values() if not w.retiring), key=lambda w: w.slot)
+        for old in current:
             fresh = self._spawn(old.slot)
             with self._lock:
                 old.retiring = True  # the watcher must not refill this slot meanwhile
