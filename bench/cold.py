@@ -395,7 +395,9 @@ t0 = time.perf_counter()
 import torch, transformers
 t1 = time.perf_counter()
 device = sys.argv[2]
-model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map=device)
+# device_map needs accelerate on CPU, where the weights land on the CPU anyway
+placement = {"device_map": device} if device != "cpu" else {}
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, **placement)
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 print(json.dumps({"import_s": t1 - t0, "from_pretrained_s": time.perf_counter() - t1}))

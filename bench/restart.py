@@ -109,13 +109,14 @@ def small_model(work: Path) -> tuple[str, Path]:
 
 
 def large_model(path: Path) -> tuple[str, Path]:
-    """V2-Lite's real shapes cut to ~1.2 GB (bench.checkpoint.V2_LITE_MINI), made once."""
+    """A checkpoint of at least 1 GB, named by its directory: the one at `path`, or
+    V2-Lite's real shapes cut to ~1.2 GB (bench.checkpoint.V2_LITE_MINI), made there once."""
     from preload.bench.checkpoint import V2_LITE_MINI, make_random_checkpoint
 
     config = path / "config.json"
     if not (config.exists() and weight_bytes(path) > 10**9):
         make_random_checkpoint(path, V2_LITE_MINI, seed=0)
-    return "v2-lite-mini", path
+    return path.name, path
 
 
 # ---- one daemon ------------------------------------------------------------------------------
@@ -149,8 +150,17 @@ class Daemon:
     api_port: int
     pid: int = 0
 
+    status_errors: int = 0  # /status answers other than 200 (retried; reported, not hidden)
+
     def status(self) -> dict:
-        return _json(self.health_port, "/status")
+        for attempt in range(5):
+            try:
+                return _json(self.health_port, "/status")
+            except RuntimeError:
+                self.status_errors += 1
+                if attempt == 4:
+                    raise
+                time.sleep(0.01)
 
     def workers(self) -> list[dict]:
         return self.status()["workers"]
@@ -331,11 +341,12 @@ def wait_new_worker_healthy(d: Daemon, old: int, t0: float, timeout: float = RES
 
 
 def settle(d: Daemon, old: int, new: int, timeout: float = RESTART_TIMEOUT) -> float:
-    """Wait until the old worker has exited and /status shows the new one ready; returns
-    when that was seen (perf_counter)."""
+    """Wait until the old worker has exited and been reaped by the daemon (a zombie is
+    still on the supervisor's books), and /status shows the new one ready; returns when
+    that was seen (perf_counter)."""
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
-        gone = not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+        gone = not psutil.pid_exists(old)
         ws = d.workers()
         if gone and ws[0]["pid"] == new and ws[0]["state"] == "ready":
             return time.perf_counter()
@@ -406,7 +417,10 @@ sd = sys.argv[1]
 t = time.perf_counter(); a = attach(sd); out["attach_s"] = time.perf_counter() - t; a.close()
 t = time.perf_counter(); llm = LLM(state_dir=sd); out["llm_total_s"] = time.perf_counter() - t
 t = time.perf_counter(); Transformer(llm.config, llm.attached); out["model_views_s"] = time.perf_counter() - t
-t = time.perf_counter(); Engine(llm.model, llm.tokenizer, EngineConfig(), llm.device); out["engine_kv_cache_s"] = time.perf_counter() - t
+kv = []
+for _ in range(3):
+    t = time.perf_counter(); e = Engine(llm.model, llm.tokenizer, EngineConfig(), llm.device); kv.append(time.perf_counter() - t); del e
+out["engine_kv_cache_s"] = sorted(kv)[1]  # median of 3
 out["kv_cache_bytes"] = EngineConfig().kv_cache_memory
 t = time.perf_counter(); llm.generate([[0]], max_tokens=1, temperature=0.0); out["first_token_s"] = time.perf_counter() - t
 t = time.perf_counter(); llm.generate([[0]], max_tokens=1, temperature=0.0); out["second_token_s"] = time.perf_counter() - t
@@ -446,13 +460,14 @@ def _median_of(records: list[dict], key: str) -> float | None:
 
 def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, memory_workers: int, device: str,
                 progress) -> dict:
-    res: dict = {"label": label, "path": str(model), "weight_bytes": weight_bytes(model)}
+    res: dict = {"label": label, "path": str(model), "weight_bytes": weight_bytes(model), "status_errors": 0}
     # 1. cold starts; the last daemon stays up for the restarts.
     colds: list[ColdRun] = []
     d = None
     for i in range(cold_repeat):
         progress(f"{label}: cold start {i + 1}/{cold_repeat}")
         if d is not None:
+            res["status_errors"] += d.status_errors
             d.stop()
         d, run = start_daemon(model, 1, device)
         colds.append(run)
@@ -473,6 +488,7 @@ def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, memory
         res["memory_1"] = memory(d)
         res["worker_stages"] = worker_stages(d)
     finally:
+        res["status_errors"] += d.status_errors
         d.stop()
 
     progress(f"{label}: --no-zygote daemon")
@@ -484,6 +500,7 @@ def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, memory
             progress(f"{label}: sigkill-no-zygote restart {i + 1}/{restarts}")
             runs["sigkill-no-zygote"].append(one_restart(d, "sigkill") | {"kind": "sigkill-no-zygote"})
     finally:
+        res["status_errors"] += d.status_errors
         d.stop()
 
     if memory_workers > 1:
@@ -492,6 +509,7 @@ def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, memory
         try:
             res[f"memory_{memory_workers}"] = memory(d)
         finally:
+            res["status_errors"] += d.status_errors
             d.stop()
 
     cold_p50 = res["cold"]["exit_s"]["p50"]
@@ -541,8 +559,12 @@ def run_restart(models: list[tuple[str, Path]], restarts: int = 10, cold_repeat:
         " event_to_forked = kill/request -> the new worker is forked; forked_to_ready = fork -> the worker reports"
         " ready (daemon's figure); worker_ready_in = the worker's own figure from the top of serve()"
         " (attach, engine, HTTP server, a warm-up token).",
-        "memory: USS is private to a process, PSS splits shared pages among their users, shmem (RssShmem) counts"
-        " the pages of the memfd arena a worker has mapped; every worker holds its own KV cache (--kv-cache-memory).",
+        "memory: USS counts pages mapped by this process alone (with ONE worker that includes the arena pages it"
+        " has touched, since the daemon never maps the arena); PSS splits shared pages among their users; shmem"
+        " (RssShmem) counts the arena pages a worker has mapped; anon (RssAnon) is its heap: its own KV cache"
+        " (--kv-cache-memory, 512 MiB by default) plus pages still shared copy-on-write with the zygote. Weights are"
+        " shared when, with N workers, USS/wkr does not include shmem/wkr and sum PSS is about N x USS/wkr + the"
+        " arena pages touched, not N x the arena.",
     ]
     return result
 
@@ -619,17 +641,21 @@ def format_table(result: dict) -> str:
         if bs:
             med = {k: statistics.median(b[k] for b in bs) for k in bs[0]}
             lines.append(f"  {r['label']}: " + ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in med.items()))
-    lines += ["", "memory (MiB; per worker: mean over workers):"]
-    head = ("model", "workers", "arena", "RSS/wkr", "USS/wkr", "PSS/wkr", "shmem/wkr", "sum USS", "daemon RSS")
-    widths = (14, 7, 8, 8, 8, 8, 9, 8, 10)
+    lines += ["", "memory (MiB; per worker: mean over workers; anon = private heap + KV cache, shmem = arena pages mapped):"]
+    head = ("model", "workers", "arena", "RSS/wkr", "anon/wkr", "shmem/wkr", "USS/wkr", "PSS/wkr", "sum USS", "sum PSS",
+            "daemon RSS")
+    widths = (14, 7, 8, 8, 8, 9, 8, 8, 8, 8, 10)
     lines.append(_row(head, widths))
     for r in result["models"]:
         for key in sorted(k for k in r if k.startswith("memory_")):
             mem = r[key]
             n = mem["workers"]
             mean = lambda f: sum(x[f] for x in mem["per_worker"]) / n  # noqa: E731
-            lines.append(_row((r["label"], n, _mib(mem["arena_bytes"]), _mib(mean("rss")), _mib(mean("uss")),
-                               _mib(mean("pss")), _mib(mean("shmem")), _mib(mem["sum_worker_uss"]),
-                               _mib(mem["daemon"]["rss"])), widths))
+            lines.append(_row((r["label"], n, _mib(mem["arena_bytes"]), _mib(mean("rss")), _mib(mean("anon")),
+                               _mib(mean("shmem")), _mib(mean("uss")), _mib(mean("pss")), _mib(mem["sum_worker_uss"]),
+                               _mib(mem["sum_worker_pss"]), _mib(mem["daemon"]["rss"])), widths))
+    errors = {r["label"]: r.get("status_errors", 0) for r in result["models"]}
+    if any(errors.values()):
+        lines += ["", f"daemon /status answered non-200 (retried) this many times: {errors}"]
     lines += ["", *("- " + n for n in result["notes"])]
     return "\n".join(lines)
