@@ -113,7 +113,8 @@ class Daemon:
         self.error: str | None = None
         self.progress = Progress()
         self.loaded: Loaded | None = None
-        self.clients: dict[int, float] = {}  # attached pid -> since
+        self.clients: dict[int, float] = {}  # attached pid -> since; the control thread and HTTP threads share it
+        self._clients_lock = threading.Lock()
         self.started = time.time()
         self.metrics = DaemonMetrics()
         self.stop_requested = threading.Event()
@@ -128,13 +129,15 @@ class Daemon:
         if op == "status":
             return {"status": self.status()}
         if op == "hello":
-            self.clients[pid] = time.time()
+            with self._clients_lock:
+                self.clients[pid] = time.time()
             self.metrics.attaches.inc()
             return {"fingerprint": self.loaded.manifest["fingerprint"], "pid": os.getpid()}
         if op == "manifest":
             return {"manifest": self.loaded.manifest}
         if op == "release":
-            self.clients.pop(pid, None)
+            with self._clients_lock:
+                self.clients.pop(pid, None)
             return {}
         if op == "worker_ready":
             return {"known": self.supervisor is not None and self.supervisor.mark_ready(pid)}
@@ -154,10 +157,12 @@ class Daemon:
         return self.loaded.arena.info(), self.loaded.arena.fds()
 
     def attached(self) -> list[int]:
-        for pid in [p for p in self.clients if not psutil.pid_exists(p)]:
-            del self.clients[pid]
-        self.metrics.attached.set(len(self.clients))
-        return sorted(self.clients)
+        with self._clients_lock:
+            for pid in [p for p in self.clients if not psutil.pid_exists(p)]:
+                del self.clients[pid]
+            alive = sorted(self.clients)
+        self.metrics.attached.set(len(alive))
+        return alive
 
     def status(self) -> dict:
         o = self.opts

@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import traceback
 
 
 def _preload_imports() -> None:
@@ -55,7 +56,10 @@ def fork_worker(spec: dict, slot: int, listen_fd: int, log_dir: str, control: so
             code = 1
             try:
                 code = run_worker(spec | {"slot": slot}, listen_fd, f"{log_dir}/worker-{slot}.log")
+            except BaseException:
+                traceback.print_exc()  # stderr is the worker's log by now
             finally:
+                sys.stderr.flush()
                 os._exit(code)
         os.write(w, str(grandchild).encode())
         os._exit(0)

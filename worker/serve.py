@@ -50,12 +50,15 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: /health turns 503, new requests are refused, in-flight ones
-    finish (up to the drain timeout), then uvicorn shuts down."""
+    """On SIGTERM/SIGINT: turn /health 503, finish the requests in flight and those still
+    arriving (answered with Connection: close), up to the drain timeout; then shut down.
+    On the daemon's shared socket it also stops accepting at once, so that the other
+    workers take new connections; alone, it keeps answering /health with 503 instead."""
 
-    def __init__(self, config: uvicorn.Config, state: WorkerState, engine: AsyncEngine, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: WorkerState, engine: AsyncEngine, drain_timeout: float,
+                 shared_socket: bool):
         super().__init__(config)
-        self.state, self.engine, self.drain_timeout = state, engine, drain_timeout
+        self.state, self.engine, self.drain_timeout, self.shared_socket = state, engine, drain_timeout, shared_socket
 
     def handle_exit(self, sig, frame) -> None:
         if self.state.phase == "draining":
@@ -65,47 +68,59 @@ class DrainingServer(uvicorn.Server):
         asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
+        if self.shared_socket:
+            for server in getattr(self, "servers", []):
+                server.close()  # our copy of the daemon's socket: no new connections here
         deadline = time.monotonic() + self.drain_timeout
         while self.engine.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         self.should_exit = True
 
 
-async def warm_up(engine: AsyncEngine, state: WorkerState, on_ready: Callable[[], None] | None) -> None:
-    """Answer one real request before claiming to be healthy."""
-    seq = Sequence([0], SamplingParams(max_tokens=1))
-    async for _ in engine.generate(seq):
-        pass
-    state.phase = "ready"
-    log.info("ready in %.3f s", time.monotonic() - state.started)
-    if on_ready:
-        await asyncio.get_running_loop().run_in_executor(None, on_ready)
-
-
 def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
+    until warm). Given the daemon's shared socket it warms up first and only then
+    accepts: meanwhile clients wait in the backlog, or are taken by workers that are ready."""
     state = WorkerState()
     llm = LLM(opts.model, state_dir=opts.state_dir, engine=opts.engine)
     name = opts.served_model_name or Path(llm.attached.manifest["model"]).name
     engine = AsyncEngine(llm.engine)
+    shared_socket = sock is not None
+    if shared_socket:
+        llm.generate([[0]], max_tokens=1)
+        mark_ready(state)
+
+    async def warm_up() -> None:
+        async for _ in engine.generate(Sequence([0], SamplingParams(max_tokens=1))):
+            pass
+        mark_ready(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start(asyncio.get_running_loop())
-        warming = asyncio.ensure_future(warm_up(engine, state, on_ready))
+        if shared_socket and on_ready:
+            await asyncio.get_running_loop().run_in_executor(None, on_ready)
+        warming = None if shared_socket else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
         yield
-        warming.cancel()
+        if warming:
+            warming.cancel()
 
     app = create_app(engine, llm.tokenizer, name, state, opts.trust_request_chat_template, lifespan)
-
     if sock is None:
         sock = listen(opts.host, opts.port)
-    config = uvicorn.Config(BodyLimit(app, opts.max_request_bytes), log_level="warning", access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(config, state, engine, opts.drain_timeout)
+    config = uvicorn.Config(BodyLimit(app, opts.max_request_bytes), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(config, state, engine, opts.drain_timeout, shared_socket)
     try:
         server.run(sockets=[sock])
     finally:
         engine.stop()
         llm.close()
+
+
+def mark_ready(state: WorkerState) -> None:
+    state.phase = "ready"
+    log.info("ready in %.3f s", time.monotonic() - state.started)
 
 
 def serve_from_spec(spec: dict, sock: socket.socket) -> int:

@@ -181,6 +181,8 @@ def create_app(
     async def _count(request: Request, call_next):
         response = await call_next(request)
         metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        if state.phase == "draining":
+            response.headers["connection"] = "close"  # the client's next request goes to another worker
         return response
 
     # ---- probes -------------------------------------------------------------------------
@@ -206,8 +208,8 @@ def create_app(
     def check(req) -> None:
         if req.model is not None and req.model != model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
-        if not state.serving:
-            raise ApiError(503, f"worker is {state.phase}", "service_unavailable")
+        if state.phase == "starting":  # a draining worker still answers what reaches it
+            raise ApiError(503, "worker is starting", "service_unavailable")
         if not engine.alive:
             raise ApiError(503, "engine failed; the worker must be restarted", "service_unavailable")
 

@@ -1,0 +1,625 @@
+"""Supervised workers through the real command line (issue 5): `preload start --workers N
+--port P` runs the daemon, a zygote and N workers that share the daemon's listening
+socket; a worker that dies is replaced at once, a crash loop backs off, `preload
+restart` replaces workers one at a time without dropping a request, and the zygote
+comes back when it dies.
+
+Every daemon here is a real process tree started by `preload start` (see daemons.py),
+on tiny random checkpoints in float32; clients are plain httpx. Nothing is timed
+against a figure: restart times are the business of `preload bench restart`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from daemons import arena_holders, arena_inodes, free_port, port_is_free, preload, running_daemon, wait_for
+
+PROMPT = "t5 t6 t7"
+REPLACE_TIMEOUT = 60.0  # seconds for a replacement worker to be ready; ~1 s on an idle machine
+ZYGOTE_MODULE = "preload.preloadd.zygote"
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def start_args(api_port: int, workers: int = 1, *extra) -> tuple:
+    return ("--workers", workers, "--port", api_port, "--dtype", "float32", *extra)
+
+
+def api(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def workers_of(d) -> list[dict]:
+    return d.status()["workers"]
+
+
+def ready_workers(d) -> list[dict] | None:
+    """The workers once every slot has a ready one, else None."""
+    ws = workers_of(d)
+    return ws if all(w["state"] == "ready" and w["pid"] for w in ws) else None
+
+
+def wait_replaced(d, old_pids: dict[int, int], timeout: float = REPLACE_TIMEOUT) -> list[dict]:
+    """Wait until every slot in `old_pids` (slot -> pid) has a different pid, ready."""
+
+    def replaced():
+        ws = workers_of(d)
+        by_slot = {w["slot"]: w for w in ws}
+        done = all(by_slot[s]["pid"] not in (None, p) and by_slot[s]["state"] == "ready" for s, p in old_pids.items())
+        return ws if done else None
+
+    ws = wait_for(replaced, timeout=timeout, interval=0.02)
+    assert ws, f"workers not replaced within {timeout} s: {workers_of(d)}\n{logs(d.state_dir)}"
+    return ws
+
+
+def logs(state_dir: Path, tail: int = 3000) -> str:
+    out = []
+    for path in sorted(state_dir.glob("*.log")):
+        try:
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
+        except OSError:
+            pass
+    return "\n".join(out)
+
+
+def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8, timeout: float = 60.0) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if client is None:
+        with httpx.Client(timeout=timeout) as fresh:
+            r = fresh.post(api(port) + "/v1/completions", json=body)
+    else:
+        r = client.post(api(port) + "/v1/completions", json=body)
+    assert r.status_code == 200, f"{r.status_code}: {r.text}"
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == max_tokens, out
+    return out
+
+
+def children(pid: int) -> list[psutil.Process]:
+    """Live (not zombie) direct children of `pid`."""
+    out = []
+    for c in psutil.Process(pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def zombies(pid: int) -> list[int]:
+    out = []
+    for c in psutil.Process(pid).children():
+        try:
+            if c.status() == psutil.STATUS_ZOMBIE:
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def zygotes(d) -> list[psutil.Process]:
+    """The daemon's zygote(s): its children running the zygote module that are not workers
+    (workers are forked from the zygote, so their command line is the zygote's)."""
+    worker_pids = {w["pid"] for w in workers_of(d)}
+    out = []
+    for c in children(d.pid):
+        try:
+            if any(ZYGOTE_MODULE in a for a in c.cmdline()) and c.pid not in worker_pids:
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def processes_naming(state_dir: Path) -> list[psutil.Process]:
+    """Every live process whose command line mentions this state dir anywhere (the daemon
+    names it in a flag, the zygote and its workers in their JSON spec)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if any(str(state_dir) in a for a in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+# ---- SIGKILL mid-stream --------------------------------------------------------------------
+
+
+def test_sigkill_mid_stream_truncates_that_stream_only(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        before = d.status()
+        [w] = before["workers"]
+        assert w["state"] == "ready" and w["restarts"] == 0 and w["last_exit"] is None, w
+        greedy = complete(port, max_tokens=16)["choices"][0]["text"]
+        max_len = httpx.get(api(port) + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        n_tokens = max_len - len(PROMPT.split())
+
+        body = {"prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+        events, error = [], None
+        try:
+            with httpx.stream("POST", api(port) + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line[5:].strip())
+                        if len(events) == 3:
+                            kill(w["pid"])
+        except httpx.HTTPError as e:  # the connection broke mid-body: fine, that is an error the client sees
+            error = e
+        assert "[DONE]" not in events, f"a stream cut by SIGKILL must not end as if complete ({error!r})"
+        tokens = sum(len(json.loads(e)["choices"][0]["text"].split()) for e in events if e.startswith("{"))
+        assert tokens < n_tokens
+
+        # The next request waits in the daemon's backlog for the replacement and succeeds.
+        again = complete(port, max_tokens=16)["choices"][0]["text"]
+        assert again == greedy, "same weights, same greedy answer"
+
+        after = d.status()
+        [w2] = after["workers"]
+        assert w2["pid"] != w["pid"] and w2["state"] == "ready", w2
+        assert w2["restarts"] == 1, w2
+        assert w2["last_exit"] == "killed by SIGKILL", w2
+        assert w2["consecutive_failures"] == 0, w2
+        assert after["pid"] == before["pid"] == d.pid
+        assert after["fingerprint"] == before["fingerprint"]
+        assert after["bytes_per_device"] == before["bytes_per_device"]
+        assert after["state"] == "ready" and d.get("/health").status_code == 200
+        assert not psutil.pid_exists(w["pid"]) or psutil.Process(w["pid"]).status() == psutil.STATUS_ZOMBIE
+        # `preload status --json` tells the same story as /status.
+        cli = preload("status", "--state-dir", d.state_dir, "--json")
+        assert cli.returncode == 0, cli.stderr
+        [w3] = json.loads(cli.stdout)["workers"]
+        assert (w3["pid"], w3["restarts"], w3["last_exit"]) == (w2["pid"], 1, "killed by SIGKILL")
+
+
+def test_requests_sent_while_a_worker_restarts_wait_and_succeed(tiny_checkpoint, tmp_path):
+    """The daemon keeps the API socket open across a worker's death, so a client that
+    connects meanwhile waits in the backlog and gets a real answer: never a refusal, and
+    never a 503 from a replacement that is up but not ready yet. A new client connects
+    every 5 ms from the kill until one has been answered; over 15 restarts (the window in
+    which a replacement could answer too early is short on an idle CPU, so one restart
+    alone may not hit it)."""
+    port = free_port()
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        for cycle in range(15):
+            [w] = workers_of(d)
+            results: list[str] = []
+            done = threading.Event()
+
+            def send() -> None:
+                try:
+                    with httpx.Client(timeout=60) as client:  # an independent client, its own connection
+                        r = client.post(api(port) + "/v1/completions", json=body)
+                    results.append("ok" if r.status_code == 200 else f"{r.status_code}: {r.text}")
+                except httpx.HTTPError as e:
+                    results.append(f"{type(e).__name__}: {e}")
+                if results[-1] == "ok":
+                    done.set()
+
+            kill(w["pid"])
+            threads = []
+            deadline = time.monotonic() + REPLACE_TIMEOUT
+            while not done.is_set() and time.monotonic() < deadline:
+                threads.append(threading.Thread(target=send, daemon=True))
+                threads[-1].start()
+                time.sleep(0.005)
+            for t in threads:
+                t.join(60)
+            bad = [r for r in results if r != "ok"]
+            assert done.is_set() and not bad, f"restart {cycle + 1}: {len(bad)} of {len(results)} requests failed: {bad[:3]}"
+            wait_replaced(d, {0: w["pid"]})
+
+
+# ---- 50 kill/restart cycles ----------------------------------------------------------------
+
+
+def test_fifty_kill_restart_cycles_leak_nothing(tiny_checkpoint, tmp_path):
+    port = free_port()
+    cycles, checkpoint_at = 50, 5
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        daemon = psutil.Process(d.pid)
+        fingerprint = d.status()["fingerprint"]
+        baseline = None
+        for i in range(1, cycles + 1):
+            [w] = workers_of(d)
+            kill(w["pid"])
+            [w2] = wait_replaced(d, {0: w["pid"]})
+            assert w2["restarts"] == i and w2["last_exit"] == "killed by SIGKILL", w2
+            if i == checkpoint_at:
+                baseline = (daemon.num_fds(), daemon.memory_info().rss)
+        fds, rss = daemon.num_fds(), daemon.memory_info().rss
+        assert fds <= baseline[0] + 16, f"daemon fds grew from {baseline[0]} to {fds} over {cycles - checkpoint_at} cycles"
+        assert rss <= baseline[1] + 64 * 2**20, f"daemon RSS grew from {baseline[1]} to {rss}"
+
+        # One worker and one zygote, no zombies; only the daemon and the live worker hold the arena.
+        assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
+        assert zombies(d.pid) == []
+        [w] = workers_of(d)
+        assert set(arena_holders(arena_inodes(d.pid))) == {d.pid, w["pid"]}
+        s = d.status()
+        assert s["fingerprint"] == fingerprint and s["state"] == "ready"
+        assert len(s["attached_workers"]) <= 1, s["attached_workers"]
+        complete(port)
+
+        # `preload restart --now` still works after all that.
+        r = preload("restart", "--state-dir", d.state_dir, "--now", "--timeout", REPLACE_TIMEOUT)
+        assert r.returncode == 0, r.stdout + r.stderr + logs(d.state_dir)
+        [w2] = workers_of(d)
+        assert w2["pid"] != w["pid"] and w2["state"] == "ready", w2
+        assert w2["restarts"] == cycles + 1, w2
+        complete(port)
+
+
+def test_status_answers_throughout_restarts(tiny_checkpoint, tmp_path):
+    """Dashboards and `preload restart` poll /status while workers come and go (each one
+    attaches and lets go of the weights): every poll must be answered, never a 500."""
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2)) as d:
+        stop = threading.Event()
+        answers: Counter = Counter()
+
+        def poll(path: str) -> None:
+            with httpx.Client(timeout=30) as c:
+                while not stop.is_set():
+                    try:
+                        answers[c.get(d.url + path).status_code] += 1
+                    except httpx.HTTPError as e:
+                        answers[type(e).__name__] += 1
+
+        pollers = [threading.Thread(target=poll, args=(p,), daemon=True) for p in ("/status", "/status", "/health")]
+        for t in pollers:
+            t.start()
+        try:
+            for _ in range(5):
+                ws = workers_of(d)
+                for w in ws:
+                    kill(w["pid"])
+                wait_replaced(d, {w["slot"]: w["pid"] for w in ws})
+            r = preload("restart", "--state-dir", d.state_dir, "--timeout", REPLACE_TIMEOUT)
+            assert r.returncode == 0, r.stdout + r.stderr
+        finally:
+            stop.set()
+            for t in pollers:
+                t.join(30)
+        assert set(answers) == {200}, f"{answers}\n{logs(d.state_dir)}"
+
+
+# ---- graceful rolling restart under load ---------------------------------------------------
+
+
+class Load:
+    """Client threads sending completions in a loop until stopped; every failure is kept."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.stop = threading.Event()
+        self.ok = Counter()
+        self.failures: list[str] = []
+        self.threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _record(self, kind: str, error: str | None) -> None:
+        with self._lock:
+            if error is None:
+                self.ok[kind] += 1
+            else:
+                self.failures.append(f"{kind}: {error}")
+
+    def _loop(self, kind: str, send) -> None:
+        while not self.stop.is_set():
+            try:
+                send()
+                self._record(kind, None)
+            except (AssertionError, httpx.HTTPError) as e:
+                self._record(kind, f"{type(e).__name__}: {e}")
+
+    def fresh(self) -> None:
+        """A new TCP connection per request."""
+        self._spawn("fresh", lambda: complete(self.port))
+
+    def pooled(self, client: httpx.Client) -> None:
+        """Requests over a shared keep-alive pool."""
+        self._spawn("keep-alive", lambda: complete(self.port, client))
+
+    def streamed(self) -> None:
+        """Streamed completions, each of which must end with [DONE]."""
+
+        def send() -> None:
+            body = {"prompt": PROMPT, "max_tokens": 32, "ignore_eos": True, "stream": True, "temperature": 0}
+            with httpx.stream("POST", api(self.port) + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200, f"{r.status_code}: {r.read()!r}"
+                data = [ln[5:].strip() for ln in r.iter_lines() if ln.startswith("data:")]
+            assert data and data[-1] == "[DONE]", f"stream ended without [DONE] after {len(data)} events"
+
+        self._spawn("stream", send)
+
+    def _spawn(self, kind: str, send) -> None:
+        t = threading.Thread(target=self._loop, args=(kind, send), daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self.threads), "a client thread hung"
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.ok.values()) + len(self.failures)
+
+
+def test_graceful_rolling_restart_under_load_drops_no_request(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2)) as d:
+        before = {w["slot"]: w["pid"] for w in workers_of(d)}
+        assert len(before) == 2
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=4)) as pool:
+            load = Load(port)
+            try:
+                load.fresh()
+                load.fresh()
+                load.pooled(pool)
+                load.pooled(pool)
+                load.streamed()
+                assert wait_for(lambda: load.total() >= 20, timeout=60), "the load never got going"
+                r = preload("restart", "--state-dir", d.state_dir, "--timeout", 120, timeout=180)
+                during = load.total()
+                assert r.returncode == 0, r.stdout + r.stderr + logs(d.state_dir)
+                assert wait_for(lambda: load.total() >= during + 20, timeout=60)
+            finally:
+                load.join()
+        assert not load.failures, f"{len(load.failures)} of {load.total()} requests failed: {load.failures[:10]}"
+        assert all(load.ok[k] > 0 for k in ("fresh", "keep-alive", "stream")), load.ok
+
+        after = workers_of(d)
+        for w in after:
+            assert w["pid"] != before[w["slot"]] and w["state"] == "ready", after
+            assert w["restarts"] == 1, after
+            assert w["last_exit"] == "exited with status 0", f"a drained worker exits cleanly: {after}"
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in before.values())
+        assert wait_for(lambda: len(children(d.pid)) == 3, timeout=30)  # 2 workers + the zygote
+
+
+@pytest.fixture(scope="module")
+def long_context_checkpoint(tmp_path_factory):
+    """The tiny model with a 16k-token context: room for a stream that lasts a while."""
+    from checkpoints import CASES, make_hf_model, save_hf_model
+
+    arch, overrides = CASES["v3-no-qlora-one-group"]
+    model = make_hf_model(arch, seed=5, **(overrides | {"max_position_embeddings": 16384}))
+    return save_hf_model(model, tmp_path_factory.mktemp("long-context-v3"))
+
+
+def test_a_second_rolling_restart_while_the_first_drains(long_context_checkpoint, tmp_path):
+    """`preload restart` returns once the replacements are ready; the old workers may still
+    be draining. A second `preload restart` then must replace the live workers only: the
+    draining one keeps its stream (no second SIGTERM cutting it short) and no slot ends
+    up with two workers, one of them invisible in /status."""
+    port = free_port()
+    with running_daemon(tmp_path / "state", long_context_checkpoint, *start_args(port)) as d:
+        [a] = workers_of(d)
+        body = {"prompt": PROMPT, "max_tokens": 16000, "ignore_eos": True, "stream": True, "temperature": 0}
+        stream: dict = {"events": 0}
+        hang_up = threading.Event()
+
+        def read_stream() -> None:
+            try:
+                with httpx.stream("POST", api(port) + "/v1/completions", json=body, timeout=300) as r:
+                    for line in r.iter_lines():
+                        stream["events"] += line.startswith("data:")
+                        if line.strip() == "data: [DONE]":
+                            stream["done"] = True
+                        if hang_up.is_set():
+                            return  # closing the connection aborts the request
+            except httpx.HTTPError as e:
+                stream["error"] = f"{type(e).__name__}: {e}"
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        try:
+            assert wait_for(lambda: stream["events"] >= 5, timeout=60), stream
+            r1 = preload("restart", "--state-dir", d.state_dir, "--timeout", REPLACE_TIMEOUT)
+            assert r1.returncode == 0, r1.stdout + r1.stderr + logs(d.state_dir)
+            if not (reader.is_alive() and psutil.pid_exists(a["pid"])):
+                pytest.skip(f"the stream ended before the second restart; nothing was tested: {stream}")
+            r2 = preload("restart", "--state-dir", d.state_dir, "--timeout", REPLACE_TIMEOUT)
+            assert r2.returncode == 0, r2.stdout + r2.stderr + logs(d.state_dir)
+            # The draining worker is left alone: its stream still flows several seconds later
+            # (a second SIGTERM would end it within uvicorn's 5 s graceful shutdown).
+            time.sleep(7)
+            assert "error" not in stream and reader.is_alive() and psutil.pid_exists(a["pid"]), (
+                f"the draining worker's stream was cut: {stream}\n{logs(d.state_dir)}")
+        finally:
+            hang_up.set()
+            reader.join(60)
+
+        # The stream is gone, so the old worker finishes draining and exits. What remains is
+        # one worker, the one /status shows, and the zygote.
+        assert wait_for(lambda: not psutil.pid_exists(a["pid"]), timeout=REPLACE_TIMEOUT), logs(d.state_dir)
+        [w] = workers_of(d)
+        assert w["restarts"] == 2 and w["state"] == "ready", w
+
+        def live_workers():
+            zs = {z.pid for z in zygotes(d)}
+            return sorted(c.pid for c in children(d.pid) if c.pid not in zs)
+
+        assert wait_for(lambda: live_workers() == [w["pid"]], timeout=15), (
+            f"workers alive: {live_workers()}, /status shows {workers_of(d)}\n{logs(d.state_dir)}")
+
+
+# ---- zygote death --------------------------------------------------------------------------
+
+
+def test_zygote_death_workers_keep_serving_and_it_comes_back(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        [z] = zygotes(d)
+        [w] = workers_of(d)
+        renewed = d.status()["zygote_restarts"]
+        kill(z.pid)
+        assert wait_for(lambda: not z.is_running() or z.status() == psutil.STATUS_ZOMBIE, timeout=10)
+
+        # The worker does not depend on its zygote.
+        complete(port)
+        assert workers_of(d)[0]["pid"] == w["pid"]
+
+        # A new zygote comes up; the dead one is reaped, not left a zombie.
+        assert wait_for(lambda: d.status()["zygote_restarts"] > renewed, timeout=REPLACE_TIMEOUT), logs(d.state_dir)
+        new = wait_for(lambda: zygotes(d), timeout=REPLACE_TIMEOUT)
+        assert new and z.pid not in {p.pid for p in new}, new
+        assert z.pid not in zombies(d.pid)
+        assert d.get("/health").status_code == 200
+
+        # ... and it forks replacements.
+        kill(w["pid"])
+        [w2] = wait_replaced(d, {0: w["pid"]})
+        complete(port)
+
+        # Zygote and worker dead at once: the worker is back once a new zygote is.
+        [z2] = wait_for(lambda: zygotes(d), timeout=REPLACE_TIMEOUT)
+        renewed = d.status()["zygote_restarts"]
+        kill(z2.pid)
+        kill(w2["pid"])
+        [w3] = wait_replaced(d, {0: w2["pid"]})
+        assert w3["restarts"] == 2, w3
+        assert d.status()["zygote_restarts"] > renewed
+        complete(port)
+        assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
+        assert zombies(d.pid) == []
+
+
+def test_without_zygote_workers_are_fresh_processes_and_still_replaced(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 1, "--no-zygote")) as d:
+        [w] = workers_of(d)
+        assert zygotes(d) == [] and [c.pid for c in children(d.pid)] == [w["pid"]]
+        complete(port)
+        kill(w["pid"])
+        [w2] = wait_replaced(d, {0: w["pid"]})
+        assert (w2["restarts"], w2["last_exit"]) == (1, "killed by SIGKILL"), w2
+        complete(port)
+        assert wait_for(lambda: [c.pid for c in children(d.pid)] == [w2["pid"]], timeout=30)
+        assert zombies(d.pid) == []
+
+
+# ---- crash loop ----------------------------------------------------------------------------
+
+
+def test_start_with_workers_that_cannot_start_fails_and_leaves_nothing(tiny_checkpoint, tmp_path):
+    """A KV cache budget too small for one block: the engine refuses, so the worker exits
+    at start. `preload start` must say so (pointing at the worker logs) and clean up."""
+    state_dir, port, health = tmp_path / "state", free_port(), free_port()
+    r = preload("start", "--model", tiny_checkpoint, "--state-dir", state_dir, "--health-port", health,
+                *start_args(port, 1, "--kv-cache-memory", "1"))
+    try:
+        assert r.returncode != 0, r.stdout
+        assert "worker" in r.stderr and str(state_dir) in r.stderr, r.stderr
+        # The log it points at says why.
+        assert "holds no block" in (state_dir / "worker-0.log").read_text(), logs(state_dir)
+        assert wait_for(lambda: not processes_naming(state_dir), timeout=15), processes_naming(state_dir)
+        assert port_is_free(port) and port_is_free(health)
+        assert not list(state_dir.glob("*.sock"))
+    finally:
+        for p in processes_naming(state_dir):
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def unrunnable_checkpoint(tmp_path_factory):
+    """A checkpoint the daemon loads but the engine cannot run: DeepseekV3Config's default
+    8 expert groups over 8 experts leave one expert per group, and group scoring takes
+    the top 2 of each group, so the very first forward pass raises."""
+    from checkpoints import make_hf_model, save_hf_model
+
+    return save_hf_model(make_hf_model("v3", seed=1), tmp_path_factory.mktemp("unrunnable-v3"))
+
+
+def test_worker_whose_engine_fails_its_warm_up_is_a_failed_start(unrunnable_checkpoint, tmp_path):
+    """A worker whose engine dies on the warm-up request can never become ready: it must
+    exit (so that start fails, or the supervisor backs off), not sit in "starting" with
+    `preload start` waiting for its full ready timeout."""
+    state_dir, port, health = tmp_path / "state", free_port(), free_port()
+    try:
+        r = preload("start", "--model", unrunnable_checkpoint, "--state-dir", state_dir, "--health-port", health,
+                    *start_args(port), timeout=90)
+        assert r.returncode != 0, r.stdout
+        assert "worker" in r.stderr and str(state_dir) in r.stderr, r.stderr
+        assert "out of range" in (state_dir / "worker-0.log").read_text(), logs(state_dir)
+        assert wait_for(lambda: not processes_naming(state_dir), timeout=15), processes_naming(state_dir)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`preload start` still waiting after 90 s for a worker whose engine failed:\n{logs(state_dir)}")
+    finally:
+        for p in processes_naming(state_dir):
+            p.kill()
+
+
+def test_crash_loop_backs_off_shows_in_status_and_recovers(tiny_checkpoint, tmp_path):
+    """Workers that fail at start: the fd socket they attach through is taken away (as a
+    /tmp cleaner might), so every replacement exits before it is ready. The supervisor
+    must back off (not spin), say so in /status, keep the daemon healthy, and recover
+    once the socket is back."""
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        fds_sock = d.state_dir / "fds.sock"
+        hidden = d.state_dir / "fds.sock.hidden"
+        [w] = workers_of(d)
+        os.rename(fds_sock, hidden)
+        try:
+            kill(w["pid"])
+            seen = set()
+
+            def looping():
+                [s] = workers_of(d)
+                seen.add(s["state"])
+                return s if s["consecutive_failures"] >= 5 and "backoff" in seen else None
+
+            s = wait_for(looping, timeout=REPLACE_TIMEOUT, interval=0.02)
+            assert s, f"no crash loop visible in /status: {workers_of(d)}, states seen {seen}\n{logs(d.state_dir)}"
+            assert s["last_exit"].startswith("exited with status") and s["last_exit"] != "exited with status 0", s
+            assert s["restarts"] >= 5
+
+            # Backing off, not spinning: over the next 3 s the daemon starts at most a few workers.
+            log = d.state_dir / "daemon.log"
+            starts = log.read_text().count("worker 0 started")
+            time.sleep(3)
+            s = workers_of(d)[0]
+            assert log.read_text().count("worker 0 started") - starts <= 3, logs(d.state_dir)
+            assert s["consecutive_failures"] >= 5 and s["state"] in ("backoff", "starting"), s
+            assert "crash loop" in log.read_text()
+
+            # The daemon itself is unaffected.
+            health = d.get("/health")
+            assert health.status_code == 200, health.text
+            status = d.status()
+            assert status["state"] == "ready" and status["pid"] == d.pid
+            cli = preload("status", "--state-dir", d.state_dir, "--json")
+            assert cli.returncode == 0 and json.loads(cli.stdout)["workers"][0]["consecutive_failures"] >= 5
+        finally:
+            os.rename(hidden, fds_sock)
+
+        # Once the cause is gone, the next attempt (at most MAX_BACKOFF later) succeeds.
+        [w2] = wait_replaced(d, {0: w["pid"]}, timeout=REPLACE_TIMEOUT)
+        complete(port)
+        assert d.status()["fingerprint"] and d.get("/health").status_code == 200
