@@ -155,9 +155,12 @@ class ControlServer:
 
     def _send_fds(self, conn: socket.socket) -> None:
         pid, uid, gid = peer_credentials(conn)
-        if not self.policy.allows(uid, gid):  # before reading anything the peer sent
+        if not self.policy.allows(uid, gid):
             self.on_error()
             log.warning("refused arena fds to pid %d uid %d", pid, uid)
+            # Take in (one bounded read, never parsed) what the peer is sending, so that
+            # our reply is not lost to a reset; then refuse.
+            conn.recv(1 << 16)
             send_with_fds(conn, {"ok": False, "error": f"uid {uid} is not allowed to use this daemon"}, [])
             return
         msg, stray = recv_with_fds(conn, max_fds=0)
