@@ -94,7 +94,8 @@ def make_random_checkpoint(
     it all), and a tokenizer: copied from `tokenizer_from` if given, else a word-level one
     of the config's vocab size. Weights are `dtype` (config.json's torch_dtype is set to
     match), matrices normal(0, 1/sqrt(fan_in)), norms uniform(0.5, 1.5), drawn from a
-    generator seeded with `seed`, so the same arguments give the same bytes. Only one
+    generator seeded with `seed` (on the GPU when there is one), so the same arguments on
+    the same kind of machine give the same bytes. Only one
     shard's tensors are in memory at a time. `with_mtp` adds a V3 config's MTP layer.
     Returns `out_dir`.
     """

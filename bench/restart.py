@@ -44,6 +44,8 @@ from pathlib import Path
 
 import psutil
 
+from preload.bench.checkpoint import V2_LITE_MINI
+
 from preload.bench.cold import free_port, machine_info, preload_command, proc_memory
 
 MiB = 2**20
@@ -54,9 +56,8 @@ START_TIMEOUT = 600.0
 KINDS = ("sigkill", "graceful", "sigkill-no-zygote")
 
 # A tiny DeepSeek-V2-shaped model: stands in for the bundled one when it is not there.
-TINY = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
+# The V2-Lite family's settings at toy sizes: a stand-in when the bundled model is absent.
+TINY = V2_LITE_MINI | {
     "vocab_size": 1024,
     "hidden_size": 64,
     "intermediate_size": 96,
@@ -65,27 +66,14 @@ TINY = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "kv_lora_rank": 16,
-    "q_lora_rank": None,
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 12,
-    "n_routed_experts": 8,
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "topk_method": "greedy",
-    "scoring_func": "softmax",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "rms_norm_eps": 1e-6,
     "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
     "bos_token_id": 0,
     "eos_token_id": 1,
-    "tie_word_embeddings": False,
 }
 
 
@@ -111,7 +99,7 @@ def small_model(work: Path) -> tuple[str, Path]:
 def large_model(path: Path) -> tuple[str, Path]:
     """A checkpoint of at least 1 GB, named by its directory: the one at `path`, or
     V2-Lite's real shapes cut to ~1.2 GB (bench.checkpoint.V2_LITE_MINI), made there once."""
-    from preload.bench.checkpoint import V2_LITE_MINI, make_random_checkpoint
+    from preload.bench.checkpoint import make_random_checkpoint
 
     config = path / "config.json"
     if not (config.exists() and weight_bytes(path) > 10**9):

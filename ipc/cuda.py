@@ -141,7 +141,30 @@ def check_device_memory(size: int, device: torch.device) -> None:
         raise ArenaError(f"not enough memory on {device} for the arena: need {size / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
 
 
-class VmmArena:
+class _VmmHolder:
+    """What a process holds of a VMM allocation: a mapping, a handle, an fd. Closing
+    lets go of each; the memory itself goes when the last holder in any process does."""
+
+    ptr: int | None = None
+    handle: int | None = None
+    fd: int = -1
+    base: torch.Tensor | None = None
+
+    def close(self) -> None:
+        self.base = None
+        if self.ptr is not None:
+            torch.cuda.synchronize(self.ordinal)  # no kernel may still read the range
+            _unmap(self.ptr, self.size)
+            self.ptr = None
+        if self.handle is not None:
+            _cu().cuMemRelease(ctypes.c_uint64(self.handle))
+            self.handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class VmmArena(_VmmHolder):
     """Daemon side of a cuda-vmm arena."""
 
     transport = "cuda-vmm"
@@ -153,7 +176,7 @@ class VmmArena:
         check_device_memory(self.size, device)
         cu, handle = _cu(), ctypes.c_uint64()
         _check(cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(_prop(self.ordinal)), ctypes.c_ulonglong(0)), "cuMemCreate")
-        self.handle, self.ptr, self.fd = handle.value, None, -1
+        self.handle = handle.value
         try:
             fd = ctypes.c_int(-1)
             _check(cu.cuMemExportToShareableHandle(ctypes.byref(fd), ctypes.c_uint64(self.handle), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, ctypes.c_ulonglong(0)), "cuMemExportToShareableHandle")
@@ -183,26 +206,14 @@ class VmmArena:
     def fds(self) -> list[int]:
         return [self.fd]
 
-    def close(self) -> None:
-        self.base = None
-        if self.ptr is not None:
-            _unmap(self.ptr, self.size)
-            self.ptr = None
-        if self.handle is not None:
-            _cu().cuMemRelease(ctypes.c_uint64(self.handle))
-            self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
-class VmmMapping:
+class VmmMapping(_VmmHolder):
     """Worker side: the arena imported from its fd and mapped read-only."""
 
     def __init__(self, info: dict, fds: list[int]):
         self.size, self.ordinal = int(info["size"]), int(info["device"])
         self.fd = fds[0]
-        self.ptr = self.handle = None
         try:
             _device_context(torch.device("cuda", self.ordinal))
             handle = ctypes.c_uint64()
@@ -214,18 +225,6 @@ class VmmMapping:
             raise
         self.base = _as_tensor(self.ptr, self.size, self.ordinal)
 
-    def close(self) -> None:
-        self.base = None
-        if self.ptr is not None:
-            torch.cuda.synchronize(self.ordinal)
-            _unmap(self.ptr, self.size)
-            self.ptr = None
-        if self.handle is not None:
-            _cu().cuMemRelease(ctypes.c_uint64(self.handle))
-            self.handle = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class IpcArena:
