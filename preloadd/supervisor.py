@@ -145,6 +145,7 @@ class Supervisor:
             if worker is None:
                 return False
             worker.state = "ready"
+            self.slots[worker.slot].failures = 0  # the slot is out of any crash loop
             self._ready.notify_all()
             log.info("worker %d ready (pid %d) %.3f s after start", worker.slot, pid, time.monotonic() - worker.started)
             return True

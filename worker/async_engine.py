@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from preload.worker.engine import Engine
 from preload.worker.sequence import Sequence
@@ -24,8 +24,10 @@ class EngineDead(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, on_fatal: Callable[[], None] = lambda: None):
+        """on_fatal: called (from the engine thread) when a step fails; the worker then
+        cannot answer correctly any more and should exit so that it is replaced."""
+        self.engine, self.on_fatal = engine, on_fatal
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", seq)
         self._wake = threading.Event()
@@ -97,6 +99,7 @@ class AsyncEngine:
             self.error = e
             for seq_id in list(self._waiters):
                 self.loop.call_soon_threadsafe(self._notify, seq_id, e)
+            self.on_fatal()
 
     def stop(self) -> None:
         self._stop.set()

@@ -84,7 +84,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Calla
     state = WorkerState()
     llm = LLM(opts.model, state_dir=opts.state_dir, engine=opts.engine)
     name = opts.served_model_name or Path(llm.attached.manifest["model"]).name
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
     shared_socket = sock is not None
     if shared_socket:
         llm.generate([[0]], max_tokens=1)
@@ -116,6 +116,8 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Calla
     finally:
         engine.stop()
         llm.close()
+    if engine.error is not None:  # exit non-zero: a supervisor or systemd starts a fresh worker
+        raise RuntimeError(f"engine failed: {engine.error}") from engine.error
 
 
 def mark_ready(state: WorkerState) -> None:

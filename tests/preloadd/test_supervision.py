@@ -623,3 +623,5 @@ def test_crash_loop_backs_off_shows_in_status_and_recovers(tiny_checkpoint, tmp_
         [w2] = wait_replaced(d, {0: w["pid"]}, timeout=REPLACE_TIMEOUT)
         complete(port)
         assert d.status()["fingerprint"] and d.get("/health").status_code == 200
+        # A worker that made it to ready ended the streak: /status must not still report a crash loop.
+        assert w2["consecutive_failures"] == 0, w2
