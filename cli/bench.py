@@ -96,23 +96,27 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
               default=Path("/tmp/preload-bench-restart/v2-lite-mini"), show_default=True,
               help="The ~1.2 GB model; written there (V2-Lite shapes, random weights) unless it exists.")
 @click.option("--no-large", is_flag=True, help="Only the small model.")
+@click.option("--no-small", is_flag=True, help="Only the large model.")
 @click.option("--memory-workers", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Also measure memory with this many workers.")
+              help="Also measure memory (host, and device on CUDA) with this many workers (--spare-workers 0).")
 @click.option("--device", default="auto", show_default=True, help="Passed to `preload start --device`.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-restart.json"),
               show_default=True, help="Where to write the results.")
-def restart(restarts, cold_repeat, small, large, no_large, memory_workers, device, json_path):
-    """Restart: worker SIGKILL / `preload restart` to /health 200 from the new worker, vs cold start."""
+def restart(restarts, cold_repeat, small, large, no_large, no_small, memory_workers, device, json_path):
+    """Restart: worker SIGKILL (a warm spare takes over, a zygote fork, no zygote) / `preload restart`
+    to /health 200 from the new worker, vs cold start; host and device memory with 1 and N workers."""
     import tempfile
 
     from preload.bench.restart import format_table, large_model, run_restart, small_model
 
     progress = lambda msg: click.echo(f"... {msg}", err=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="preload-bench-restart-models-") as work:
-        models = [("small", small) if small else small_model(Path(work))]
+        models = [] if no_small else [("small", small) if small else small_model(Path(work))]
         if not no_large:
             progress(f"large model: {large}")
             models.append(large_model(large))
+        if not models:
+            raise click.UsageError("--no-small and --no-large leave nothing to measure")
         try:
             result = run_restart(models, restarts, cold_repeat, memory_workers, device, progress)
         except (OSError, RuntimeError, TimeoutError) as e:

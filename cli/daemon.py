@@ -34,6 +34,8 @@ QUANTS = ("none", "fp8_per_tensor", "fp8_block")
 @click.option("--host", default="127.0.0.1", show_default=True, help="API host of the workers.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="API port, owned by the daemon.")
 @click.option("--no-zygote", is_flag=True, help="Start workers as fresh processes instead of forking them (slower).")
+@click.option("--spare-workers", type=click.IntRange(0, 8), default=None,
+              help="Warm spare workers that take over a dead worker's slot at once [default: 1 on a GPU, 0 on CPU].")
 @engine_options
 @click.option("--foreground", is_flag=True, help="Run in this process instead of returning once ready.")
 @click.pass_context
@@ -78,6 +80,7 @@ def run_daemon(params: dict, notify_fd: int | None = None) -> int:
     try:
         model = Path(p["model"] or BUNDLED_MODEL).absolute()
         dev = resolve_device(p["device"])
+        spares = p["spare_workers"] if p["spare_workers"] is not None else int(dev.type == "cuda" and p["workers"] > 0)
         cfg = ModelConfig.from_dir(model)
         options = DaemonOptions(
             model=model,
@@ -93,8 +96,9 @@ def run_daemon(params: dict, notify_fd: int | None = None) -> int:
             workers=p["workers"],
             api_host=p["host"],
             api_port=p["port"],
-            worker_spec=spec_of(serve_options(state_dir, None, p["host"], p["port"], p)),
+            worker_spec=spec_of(serve_options(state_dir, None, p["host"], p["port"], p)) | {"workers": p["workers"], "spares": spares},
             use_zygote=not p["no_zygote"],
+            spares=spares,
         )
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         _log_to(state_dir / "daemon.log", to_stderr=notify_fd is None)
@@ -196,7 +200,9 @@ def status(state_dir, as_json):
     click.echo(f"  pid {s['pid']}, up {s['uptime_s']:.0f} s, loaded in {s['load_seconds']:.2f} s, attached: {s['attached_workers'] or 'none'}")
     for w in s["workers"]:
         click.echo(f"  worker {w['slot']}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
-                   f"{w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
+                   f"KV cache {w['kv_cache_bytes'] / 2**30:.2f} GiB, {w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
+    for w in s["spares"]:
+        click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 
 
 @click.command()

@@ -34,7 +34,11 @@ def engine_options(f):
     """Options of the engine a worker runs, shared by `preload serve` and `preload start --workers`."""
     for option in reversed([
         click.option("--served-model-name", default=None, help="Model id in the API [default: checkpoint dir name]."),
-        click.option("--kv-cache-memory", default="512MiB", show_default=True, help="Bytes of latent KV cache per worker."),
+        click.option("--kv-cache-memory", default="auto", show_default=True,
+                     help="Bytes of latent KV cache per worker; auto: on a GPU, each worker's share of what the weights"
+                          " leave within --gpu-memory-utilization, 512MiB on CPU."),
+        click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), default=0.9, show_default=True,
+                     help="Fraction of the GPU that weights, workers and their KV caches may use (auto KV cache)."),
         click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True),
         click.option("--block-size", type=click.IntRange(1, 1024), default=16, show_default=True),
         click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True),
@@ -52,7 +56,7 @@ def serve_options(state_dir: Path, model: Path | None, host: str, port: int, p: 
     from preload.worker.engine import EngineConfig
     from preload.worker.serve import ServeOptions
 
-    engine = EngineConfig(parse_size(p["kv_cache_memory"]), p["kv_cache_dtype"], p["block_size"], p["max_num_seqs"],
-                          p["max_num_batched_tokens"])
+    kv = None if p["kv_cache_memory"].strip().lower() == "auto" else parse_size(p["kv_cache_memory"])
+    engine = EngineConfig(kv, p["kv_cache_dtype"], p["block_size"], p["max_num_seqs"], p["max_num_batched_tokens"])
     return ServeOptions(state_dir, model, host, port, p["served_model_name"], engine, p["trust_request_chat_template"],
-                        p["drain_timeout"], parse_size(p["max_request_bytes"]))
+                        p["drain_timeout"], parse_size(p["max_request_bytes"]), p["gpu_memory_utilization"])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import msgpack
 
-PROTOCOL_VERSION = 1
-OPS = ("hello", "manifest", "status", "release", "shutdown", "worker_ready", "restart")
+PROTOCOL_VERSION = 2  # 2: the manifest's tensors travel as columns (ipc.arena.Layout)
+OPS = ("hello", "manifest", "status", "release", "shutdown", "worker_warm", "worker_ready", "restart")
 MAX_MESSAGE = 64 << 20  # a manifest of a very large model stays far below this
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from preload.ipc.protocol import fd_socket_path
+from preload.ipc.protocol import ProtocolError, fd_socket_path
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import DaemonMetrics, HttpServer, bind, make_app
 from preload.preloadd.loader import Loaded, Progress, load
@@ -53,6 +53,7 @@ class DaemonOptions:
     api_port: int = 8000
     worker_spec: dict = field(default_factory=dict)  # the workers' serve options (see worker/serve.py)
     use_zygote: bool = True
+    spares: int = 0  # warm spare workers beside them
     ready_timeout: float = 300.0
 
 
@@ -139,8 +140,13 @@ class Daemon:
             with self._clients_lock:
                 self.clients.pop(pid, None)
             return {}
+        if op == "worker_warm":
+            return {"known": self.supervisor is not None and self.supervisor.mark_warm(pid)}
         if op == "worker_ready":
-            return {"known": self.supervisor is not None and self.supervisor.mark_ready(pid)}
+            kv = msg.get("kv_cache_bytes", 0)
+            if not isinstance(kv, int):
+                raise ProtocolError("kv_cache_bytes must be an integer")
+            return {"known": self.supervisor is not None and self.supervisor.mark_ready(pid, kv)}
         if op == "restart":
             if self.supervisor is None:
                 return {"ok": False, "error": "this daemon runs no workers (start it with --workers N)"}
@@ -152,6 +158,14 @@ class Daemon:
             self.stop_requested.set()
             return {}
         raise AssertionError(op)
+
+    def room_for(self, kv_cache_bytes: int) -> bool:
+        """Whether one more KV cache of this size fits on the device within the
+        utilization the workers were given (host memory is not budgeted)."""
+        if self.opts.device.type != "cuda":
+            return True
+        free, total = torch.cuda.mem_get_info(self.opts.device)
+        return free - kv_cache_bytes >= (1 - self.opts.worker_spec.get("gpu_memory_utilization", 0.9)) * total
 
     def arena_fds(self) -> tuple[dict, list[int]]:
         return self.loaded.arena.info(), self.loaded.arena.fds()
@@ -186,6 +200,7 @@ class Daemon:
             "progress": self.progress.as_dict(),
             "errors": self.errors,
             "workers": self.supervisor.status() if self.supervisor else [],
+            "spares": self.supervisor.spare_status() if self.supervisor else [],
             "zygote_restarts": self.supervisor.zygote_restarts if self.supervisor else 0,
         }
 
@@ -226,7 +241,7 @@ class Daemon:
             policy = PeerPolicy(o.allow_uids, o.allow_gids)
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if o.workers:
-                self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote)
+                self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote, o.spares, self.room_for)
                 self.supervisor.start()
                 if not self.supervisor.all_ready(o.ready_timeout):
                     last = last_line(o.state_dir / "worker-0.log")

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from preload.ipc.arena import TensorEntry, create_arena, pack
+from preload.ipc.arena import Layout, TensorEntry, create_arena, pack
 from preload.ipc.identity import checkpoint_record, fingerprint, tensor_digest
 from preload.kernels.quant import quantize_weight, stored_layout
 from preload.worker.checkpoint import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
@@ -140,7 +140,7 @@ def load(
         **settings,
         "device": str(device),
         "arena": arena.info(),
-        "tensors": [e.to_wire() for e in entries],
+        "tensors": Layout.of(entries).to_wire(),
         "record": record,
         "fingerprint": fingerprint(record["aux"], digests, settings),
     }

@@ -19,8 +19,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from preload.preloadd import zygote
 
 log = logging.getLogger("preload.daemon")
 
@@ -47,10 +50,12 @@ def code_version() -> str:
 
 @dataclass
 class Worker:
-    slot: int
     pid: int
-    started: float = field(default_factory=time.monotonic)
-    state: str = "starting"  # starting -> ready -> draining; or exited
+    go: int | None  # write end of its go pipe, until it has been told its slot
+    slot: int | None = None  # None: a spare
+    started: float = field(default_factory=time.monotonic)  # forked, or promoted from spare
+    state: str = "warming"  # spare: warming -> standby; in a slot: starting -> ready -> draining
+    kv_cache_bytes: int = 0
     retiring: bool = False  # replaced on purpose: its exit is not a failure
 
 
@@ -66,27 +71,28 @@ class Zygote:
     """A running zygote process and the channel to it."""
 
     def __init__(self, spec: dict, listen_fd: int):
-        ours, theirs = socket.socketpair()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, "-m", "preload.preloadd.zygote", json.dumps(spec), str(listen_fd), str(theirs.fileno())]
         self.proc = subprocess.Popen(cmd, pass_fds=(listen_fd, theirs.fileno()))
         theirs.close()
         self.sock = ours
-        self.stream = ours.makefile("rw", buffering=1)
         self.version = code_version()
-        ready = self.stream.readline()
+        ready, _ = zygote.receive(self.sock)
         if not ready:
             self.proc.wait()
             raise RuntimeError(f"the zygote exited with status {self.proc.returncode} before it was ready")
 
-    def fork(self, slot: int) -> int:
-        self.stream.write(json.dumps({"slot": slot}) + "\n")
-        reply = self.stream.readline()
-        if not reply:
+    def fork(self, slot: int | None) -> tuple[int, int]:
+        """A new worker's pid and the write end of its go pipe."""
+        zygote.send(self.sock, {"slot": slot})
+        reply, fds = zygote.receive(self.sock)
+        if not reply or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
             raise RuntimeError("the zygote died")
-        return json.loads(reply)["pid"]
+        return reply["pid"], fds[0]
 
     def close(self) -> None:
-        self.stream.close()
         self.sock.close()  # the zygote's loop ends when our end closes
         try:
             self.proc.wait(timeout=5)
@@ -96,16 +102,25 @@ class Zygote:
 
 
 class Supervisor:
-    def __init__(self, count: int, spec: dict, listen: socket.socket, use_zygote: bool = True):
+    """Keeps `count` workers serving and `spares` warm spare workers waiting beside them.
+    A spare has attached, warmed up and waits for a slot; when a worker dies the spare
+    takes its slot (allocates its KV cache and accepts) at once, and a new spare warms up.
+    `room_for(kv_bytes)` says whether the device has room for one more KV cache of that
+    size, so that a rolling restart can run old and new side by side."""
+
+    def __init__(self, count: int, spec: dict, listen: socket.socket, use_zygote: bool = True, spares: int = 0,
+                 room_for: Callable[[int], bool] = lambda kv_bytes: True):
         self.count, self.spec, self.listen, self.use_zygote = count, spec, listen, use_zygote
+        self.spares, self.room_for = spares, room_for
         self.workers: dict[int, Worker] = {}  # by pid
         self.slots = [Slot() for _ in range(count)]
+        self.spare_pool = Slot()  # restarts and backoff of the spares
         self.zygote: Zygote | None = None
         self.zygote_restarts = 0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._renewing = threading.Event()
-        self._ready = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
 
     # ---- starting workers ---------------------------------------------------------------
@@ -115,53 +130,102 @@ class Supervisor:
         if self.use_zygote:
             self.zygote = Zygote(self.spec, self.listen.fileno())
         for slot in range(self.count):
-            self._spawn(slot)
+            self._go(self._spawn(slot))
         self._thread.start()
 
-    def _spawn(self, slot: int) -> Worker:
+    def _spawn(self, slot: int | None) -> Worker:
+        """Fork a worker for `slot` (it waits for its go all the same) or a spare."""
         with self._lock:
             if self.zygote is not None:
-                pid = self.zygote.fork(slot)
+                pid, go = self.zygote.fork(slot)
             else:
-                pid = self._spawn_fresh(slot)
-            worker = self.workers[pid] = Worker(slot, pid)
-            log.info("worker %d started (pid %d)", slot, pid)
+                pid, go = self._spawn_fresh(slot)
+            worker = self.workers[pid] = Worker(pid, go, slot)
+            log.info("%s started (pid %d)", "spare" if slot is None else f"worker {slot}", pid)
             return worker
 
-    def _spawn_fresh(self, slot: int) -> int:
+    def _spawn_fresh(self, slot: int | None) -> tuple[int, int]:
         """Without a zygote: a new interpreter that imports everything itself."""
         fd = self.listen.fileno()
+        go_r, go_w = os.pipe()
         spec = json.dumps(self.spec | {"slot": slot})
-        log_path = f"{self.spec['state_dir']}/worker-{slot}.log"
+        log_path = f"{self.spec['state_dir']}/{zygote.log_name(slot)}"
         code = (
             "import sys; from preload.preloadd.zygote import run_worker; import json; "
-            "sys.exit(run_worker(json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))"
+            "sys.exit(run_worker(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))"
         )
-        return subprocess.Popen([sys.executable, "-c", code, spec, str(fd), log_path], pass_fds=(fd,), start_new_session=True).pid
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", code, spec, str(fd), str(go_r), log_path],
+                                    pass_fds=(fd, go_r), start_new_session=True)
+        except BaseException:
+            os.close(go_w)
+            raise
+        finally:
+            os.close(go_r)
+        return proc.pid, go_w
 
-    def mark_ready(self, pid: int) -> bool:
+    def _go(self, worker: Worker) -> None:
+        """Tell a worker (forked for its slot, or a spare just given one) to serve its slot."""
+        worker.state, worker.started = "starting", time.monotonic()
+        go, worker.go = worker.go, None
+        try:
+            os.write(go, f"{worker.slot}\n".encode())
+        except BrokenPipeError:
+            pass  # it died meanwhile: the reaper deals with it
+        finally:
+            os.close(go)
+
+    def _fill(self, slot: int) -> None:
+        """Put a worker in a vacant slot: a spare if there is one (the warmest first), else a fresh fork."""
+        with self._lock:
+            spares = sorted(self._spares(), key=lambda w: (w.state != "standby", w.started))
+            if spares:
+                worker = spares[0]
+                worker.slot = slot
+                log.info("spare (pid %d, %s) takes slot %d", worker.pid, worker.state, slot)
+            else:
+                worker = self._spawn(slot)
+            self._go(worker)
+
+    def _spares(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.slot is None and not w.retiring]
+
+    def mark_warm(self, pid: int) -> bool:
         with self._lock:
             worker = self.workers.get(pid)
             if worker is None:
                 return False
-            worker.state = "ready"
+            if worker.go is not None:  # still waiting for its go
+                worker.state = "standby"
+                if worker.slot is None:
+                    self.spare_pool.failures = 0
+                self._changed.notify_all()
+            return True
+
+    def mark_ready(self, pid: int, kv_cache_bytes: int = 0) -> bool:
+        with self._lock:
+            worker = self.workers.get(pid)
+            if worker is None or worker.slot is None:
+                return False
+            worker.state, worker.kv_cache_bytes = "ready", kv_cache_bytes
             self.slots[worker.slot].failures = 0  # the slot is out of any crash loop
-            self._ready.notify_all()
+            self._changed.notify_all()
             log.info("worker %d ready (pid %d) %.3f s after start", worker.slot, pid, time.monotonic() - worker.started)
             return True
 
-    def wait_ready(self, pids: list[int], timeout: float) -> bool:
+    def wait_state(self, pids: list[int], state: str, timeout: float) -> bool:
+        """Wait until every worker in `pids` is in `state`; False on timeout or if one exits."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while not all(self.workers.get(p) and self.workers[p].state == "ready" for p in pids):
-                if any(p not in self.workers for p in pids) or not self._ready.wait(deadline - time.monotonic()):
+            while not all(self.workers.get(p) and self.workers[p].state == state for p in pids):
+                if any(p not in self.workers for p in pids) or not self._changed.wait(deadline - time.monotonic()):
                     return False
                 if time.monotonic() > deadline:
                     return False
             return True
 
     def all_ready(self, timeout: float) -> bool:
-        return self.wait_ready([w.pid for w in self.workers.values()], timeout)
+        return self.wait_state([w.pid for w in self.workers.values() if w.slot is not None], "ready", timeout)
 
     # ---- watching -----------------------------------------------------------------------
 
@@ -194,89 +258,131 @@ class Supervisor:
                 worker = self.workers.pop(pid, None)
                 if worker is None:
                     continue  # the zygote's own exit is seen through Popen.poll
+                if worker.go is not None:
+                    os.close(worker.go)
                 reason = describe_exit(status)
-                slot = self.slots[worker.slot]
-                slot.last_exit = reason
-                self._ready.notify_all()
+                record = self.spare_pool if worker.slot is None else self.slots[worker.slot]
+                record.last_exit = reason
+                self._changed.notify_all()
                 if worker.retiring:
                     continue
-                slot.restarts += 1
-                early = time.monotonic() - worker.started < STABLE_AFTER and worker.state != "ready"
-                slot.failures = slot.failures + 1 if early else 0
-                delay = min(0.1 * 2 ** (slot.failures - 1), MAX_BACKOFF) if slot.failures > 1 else 0.0
-                slot.next_start = time.monotonic() + delay
-                log.warning("worker %d (pid %d) %s; %s", worker.slot, pid, reason,
+                record.restarts += 1
+                early = time.monotonic() - worker.started < STABLE_AFTER and worker.state not in ("ready", "standby")
+                record.failures = record.failures + 1 if early else 0
+                delay = min(0.1 * 2 ** (record.failures - 1), MAX_BACKOFF) if record.failures > 1 else 0.0
+                record.next_start = time.monotonic() + delay
+                name = "spare" if worker.slot is None else f"worker {worker.slot}"
+                log.warning("%s (pid %d) %s; %s", name, pid, reason,
                             f"restarting in {delay:.1f} s (crash loop)" if delay else "restarting now")
 
     def _refill(self) -> None:
         with self._lock:
             if self._stop.is_set():
                 return
-            live = {w.slot for w in self.workers.values() if not w.retiring}
-            for slot, info in enumerate(self.slots):
-                if slot not in live and time.monotonic() >= info.next_start:
-                    try:
-                        self._spawn(slot)
-                    except (OSError, RuntimeError) as e:
-                        log.error("cannot start worker %d: %s", slot, e)
-                        info.next_start = time.monotonic() + 1.0
+            try:
+                live = {w.slot for w in self.workers.values() if not w.retiring}
+                for slot, info in enumerate(self.slots):
+                    if slot not in live and time.monotonic() >= info.next_start:
+                        self._fill(slot)
+                # Spares warm up while no worker is starting, so that they never slow down one that is.
+                starting = any(w.slot is not None and w.state != "ready" and not w.retiring for w in self.workers.values())
+                if not starting and len(self._spares()) < self.spares and time.monotonic() >= self.spare_pool.next_start:
+                    self._spawn(None)
+            except (OSError, RuntimeError) as e:
+                log.error("cannot start a worker: %s", e)
+                for info in (*self.slots, self.spare_pool):
+                    info.next_start = max(info.next_start, time.monotonic() + 1.0)
 
     def _renew_zygote(self) -> None:
         """Start a new zygote in the background (imports take seconds; the watcher must
         keep reaping), and retire the old one once the new one is ready."""
         self._renewing.set()
+        threading.Thread(target=self._renew_zygote_now, name="zygote-renew", daemon=True).start()
 
-        def renew() -> None:
-            try:
-                fresh = Zygote(self.spec, self.listen.fileno())
-            except (OSError, RuntimeError) as e:
-                log.error("cannot start a zygote: %s", e)
-                return
-            finally:
-                self._renewing.clear()
-            with self._lock:
-                old, self.zygote = self.zygote, fresh
-                self.zygote_restarts += 1
-            old.close()
-            log.info("zygote renewed (pid %d)", fresh.proc.pid)
-
-        threading.Thread(target=renew, name="zygote-renew", daemon=True).start()
+    def _renew_zygote_now(self) -> None:
+        try:
+            fresh = Zygote(self.spec, self.listen.fileno())
+        except (OSError, RuntimeError) as e:
+            log.error("cannot start a zygote: %s", e)
+            return
+        finally:
+            self._renewing.clear()
+        with self._lock:
+            old, self.zygote = self.zygote, fresh
+            self.zygote_restarts += 1
+        old.close()
+        log.info("zygote renewed (pid %d)", fresh.proc.pid)
 
     # ---- restarts -----------------------------------------------------------------------
 
     def restart(self, now: bool, drain_timeout: float) -> None:
-        """Replace every worker. now: kill them all, the watcher refills at once.
-        Otherwise one at a time: the replacement is ready before the old one drains."""
-        if now:
-            with self._lock:
+        """Replace every worker and spare, with the code installed now. now: kill them all,
+        the watcher refills at once. Otherwise one slot at a time: the replacement warms up,
+        takes the slot before the old worker drains when the device has room for both
+        KV caches, else right after the old one has drained and exited."""
+        if self.zygote is not None:
+            while self._renewing.is_set():  # a renewal the watcher started
+                time.sleep(0.05)
+            if code_version() != self.zygote.version:
+                log.info("installed code changed; renewing the zygote before restarting")
+                self._renewing.set()
+                self._renew_zygote_now()
+        with self._lock:
+            for w in self._spares():  # they run the code of before, too
+                w.retiring = True
+                _signal(w.pid, signal.SIGTERM)
+            if now:
                 for w in list(self.workers.values()):
-                    w.retiring = True
-                    self.slots[w.slot].restarts += 1
-                    _signal(w.pid, signal.SIGKILL)
-            return
-        with self._lock:  # workers already on their way out (an earlier restart) are not replaced twice
-            current = sorted((w for w in self.workers.values() if not w.retiring), key=lambda w: w.slot)
+                    if w.slot is not None and not w.retiring:
+                        w.retiring = True
+                        self.slots[w.slot].restarts += 1
+                        _signal(w.pid, signal.SIGKILL)
+                return
+            # workers already on their way out (an earlier restart) are not replaced twice
+            current = sorted((w for w in self.workers.values() if w.slot is not None and not w.retiring), key=lambda w: w.slot)
         for old in current:
-            fresh = self._spawn(old.slot)
-            with self._lock:
-                old.retiring = True  # the watcher must not refill this slot meanwhile
-                self.slots[old.slot].restarts += 1
-            if not self.wait_ready([fresh.pid], timeout=120):
+            self._replace(old, drain_timeout)
+
+    def _replace(self, old: Worker, drain_timeout: float) -> None:
+        fresh = self._spawn(old.slot)
+        with self._lock:
+            old.retiring = True  # the watcher must not refill this slot meanwhile
+            self.slots[old.slot].restarts += 1
+        if not self.wait_state([fresh.pid], "standby", timeout=120):
+            log.error("replacement for worker %d did not warm up; keeping the old one", old.slot)
+            _signal(fresh.pid, signal.SIGKILL)
+            old.retiring = False
+            return
+        if self.room_for(old.kv_cache_bytes):
+            self._go(fresh)
+            if not self.wait_state([fresh.pid], "ready", timeout=120):
                 log.error("replacement for worker %d did not become ready; keeping the old one", old.slot)
+                _signal(fresh.pid, signal.SIGKILL)
                 old.retiring = False
-                continue
-            old.state = "draining"
-            _signal(old.pid, signal.SIGTERM)
-            deadline = time.monotonic() + drain_timeout + 5
-            while old.pid in self.workers and time.monotonic() < deadline:
+                return
+            self._drain(old, drain_timeout)
+        else:
+            log.info("no room for a second KV cache: worker %d drains before its replacement takes over", old.slot)
+            self._drain(old, drain_timeout)
+            self._go(fresh)
+            if not self.wait_state([fresh.pid], "ready", timeout=120):
+                log.error("replacement for worker %d did not become ready; the watcher replaces it", old.slot)
+
+    def _drain(self, worker: Worker, drain_timeout: float) -> None:
+        worker.state = "draining"
+        _signal(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + drain_timeout + 5
+        while worker.pid in self.workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if worker.pid in self.workers:
+            _signal(worker.pid, signal.SIGKILL)
+            while worker.pid in self.workers and time.monotonic() < deadline + 5:
                 time.sleep(0.01)
-            if old.pid in self.workers:
-                _signal(old.pid, signal.SIGKILL)
 
     def status(self) -> list[dict]:
         with self._lock:
             now = time.monotonic()
-            by_slot = {w.slot: w for w in self.workers.values() if not w.retiring}
+            by_slot = {w.slot: w for w in self.workers.values() if w.slot is not None and not w.retiring}
             return [
                 {
                     "slot": slot,
@@ -286,15 +392,25 @@ class Supervisor:
                     "restarts": info.restarts,
                     "last_exit": info.last_exit,
                     "consecutive_failures": info.failures,
+                    "kv_cache_bytes": by_slot[slot].kv_cache_bytes if slot in by_slot else 0,
                 }
                 for slot, info in enumerate(self.slots)
             ]
+
+    def spare_status(self) -> list[dict]:
+        with self._lock:
+            now = time.monotonic()
+            return [{"pid": w.pid, "state": w.state, "uptime_s": round(now - w.started, 3)} for w in self._spares()]
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         with self._lock:
             pids = list(self.workers)
+            for w in self.workers.values():
+                if w.go is not None:
+                    os.close(w.go)  # a spare reads EOF: nothing to serve
+                    w.go = None
         for pid in pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout

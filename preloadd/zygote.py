@@ -6,14 +6,18 @@ this process starts where those imports left off. Each worker is double-forked s
 that it is orphaned at once and adopted by the daemon (a child subreaper), which
 then reaps it and sees its exit status, whether or not the zygote still lives.
 
-Protocol on the inherited socketpair (one JSON line each way):
-  daemon -> zygote  {"slot": k}            fork a worker for slot k
-  zygote -> daemon  {"slot": k, "pid": p}  the worker's pid
-The zygote writes {"ready": true} once its imports are done.
+Every worker also gets the read end of a "go" pipe: it warms up, then waits there for
+the daemon to write the slot it is to serve (at once, or later for a spare).
+
+Protocol on the inherited SOCK_SEQPACKET socketpair (one JSON message each way):
+  daemon -> zygote  {"slot": k} or {"slot": null}    fork a worker for slot k, or a spare
+  zygote -> daemon  {"pid": p} + the go pipe's write end (SCM_RIGHTS)
+The zygote sends {"ready": true} once its imports are done.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -30,7 +34,7 @@ def _preload_imports() -> None:
     import preload.worker.serve  # noqa: F401
 
 
-def run_worker(spec: dict, listen_fd: int, log_path: str) -> int:
+def run_worker(spec: dict, listen_fd: int, go_fd: int, log_path: str) -> int:
     """Become a worker: the body of a forked (or freshly spawned) worker process."""
     from preload.worker.serve import serve_from_spec
 
@@ -39,11 +43,17 @@ def run_worker(spec: dict, listen_fd: int, log_path: str) -> int:
     os.dup2(fd, 2)
     os.close(fd)
     sock = socket.socket(fileno=os.dup(listen_fd))
-    return serve_from_spec(spec, sock)
+    return serve_from_spec(spec, sock, go_fd)
 
 
-def fork_worker(spec: dict, slot: int, listen_fd: int, log_dir: str, control: socket.socket) -> int:
-    """Double-fork a worker; return its pid (it is already orphaned)."""
+def log_name(slot: int | None) -> str:
+    return "spares.log" if slot is None else f"worker-{slot}.log"
+
+
+def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.socket) -> tuple[int, int]:
+    """Double-fork a worker (already orphaned when this returns); return its pid and
+    the write end of its go pipe."""
+    go_r, go_w = os.pipe()
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -51,11 +61,12 @@ def fork_worker(spec: dict, slot: int, listen_fd: int, log_dir: str, control: so
         grandchild = os.fork()
         if grandchild == 0:
             os.close(w)
+            os.close(go_w)  # only the daemon may say go; and EOF must reach us if it dies
             os.close(control.detach())  # the worker must not hold the zygote's channel
             os.setsid()
             code = 1
             try:
-                code = run_worker(spec | {"slot": slot}, listen_fd, f"{log_dir}/worker-{slot}.log")
+                code = run_worker(spec | {"slot": slot}, listen_fd, go_r, f"{spec['state_dir']}/{log_name(slot)}")
             except BaseException:
                 traceback.print_exc()  # stderr is the worker's log by now
             finally:
@@ -64,10 +75,21 @@ def fork_worker(spec: dict, slot: int, listen_fd: int, log_dir: str, control: so
         os.write(w, str(grandchild).encode())
         os._exit(0)
     os.close(w)
+    os.close(go_r)
     with os.fdopen(r) as pipe:
         pid = int(pipe.read())
     os.waitpid(child, 0)
-    return pid
+    return pid, go_w
+
+
+def send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
+
+
+def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the fds that came with it; None when the other end closed."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+    return (json.loads(data) if data else None), fds
 
 
 def main() -> None:
@@ -75,12 +97,17 @@ def main() -> None:
     listen_fd, control_fd = int(sys.argv[2]), int(sys.argv[3])
     control = socket.socket(fileno=control_fd)
     _preload_imports()
-    stream = control.makefile("rw", buffering=1)
-    stream.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
-    for line in stream:  # ends when the daemon closes its end
-        slot = json.loads(line)["slot"]
-        pid = fork_worker(spec, slot, listen_fd, spec["state_dir"], control)
-        stream.write(json.dumps({"slot": slot, "pid": pid}) + "\n")
+    # What the imports built lives as long as we do: out of the collector's sight, a
+    # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
+    gc.freeze()
+    send(control, {"ready": True, "pid": os.getpid()})
+    while True:
+        msg, _ = receive(control)
+        if msg is None:  # the daemon closed its end
+            return
+        pid, go = fork_worker(spec, msg["slot"], listen_fd, control)
+        send(control, {"pid": pid}, [go])
+        os.close(go)
 
 
 if __name__ == "__main__":

@@ -8,19 +8,10 @@ from pathlib import Path
 
 import torch
 
-from preload.ipc.arena import ArenaError, TensorEntry, map_arena, tensor_views
+from preload.ipc.arena import Layout, map_arena, tensor_views
 from preload.ipc.client import DaemonClient, DaemonUnavailable
 from preload.ipc.protocol import default_state_dir
 from preload.preloadd.loader import FILE_PREFIX
-
-
-def check_entries(entries: list[TensorEntry], size: int) -> None:
-    """A manifest must describe tensors inside the arena that do not overlap."""
-    end = 0
-    for e in sorted(entries, key=lambda e: e.offset):
-        if e.offset < end or e.offset + e.nbytes > size:
-            raise ArenaError(f"manifest entry {e.name} at [{e.offset}, {e.offset + e.nbytes}) is outside the arena or overlaps")
-        end = e.offset + e.nbytes
 
 
 class AttachedWeights(Mapping[str, torch.Tensor]):
@@ -29,11 +20,10 @@ class AttachedWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, state_dir: Path, manifest: dict, arena, client: DaemonClient):
         self.state_dir, self.manifest, self._arena, self._client = state_dir, manifest, arena, client
-        entries = [TensorEntry.from_wire(e) for e in manifest["tensors"]]
-        check_entries(entries, arena.size)
-        views = tensor_views(arena.base, entries)
-        self.files = {k.removeprefix(FILE_PREFIX): bytes(v.cpu().numpy()) for k, v in views.items() if k.startswith(FILE_PREFIX)}
-        self._tensors = {k: v for k, v in views.items() if not k.startswith(FILE_PREFIX)}
+        # tensor_views refuses entries outside the arena, overlapping or misshapen
+        self._tensors = tensor_views(arena.base, Layout.from_wire(manifest["tensors"]))
+        files = [name for name in self._tensors if name.startswith(FILE_PREFIX)]
+        self.files = {name.removeprefix(FILE_PREFIX): bytes(self._tensors.pop(name).cpu().numpy()) for name in files}
 
     @property
     def fingerprint(self) -> str:
@@ -79,7 +69,12 @@ def attach(state_dir: str | Path | None = None, timeout: float = 10.0) -> Attach
         manifest = client.request("manifest")["manifest"]
         handle, fds = client.arena_fds()
         arena = map_arena(handle, fds)
+    except BaseException:
+        client.close()
+        raise
+    try:
         return AttachedWeights(state_dir, manifest, arena, client)
     except BaseException:
         client.close()
+        arena.close()  # a refused manifest must not leave the arena's fd open
         raise

@@ -17,7 +17,7 @@ from preload.worker.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kv_cache_memory: int = 512 << 20  # bytes of latent cache
+    kv_cache_memory: int | None = 512 << 20  # bytes of latent cache; None: a worker sizes it (serve.kv_cache_bytes)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -33,6 +33,8 @@ class Engine:
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
+        if config.kv_cache_memory is None:
+            raise ValueError("kv_cache_memory is None (auto): the serving worker sizes it; give a number of bytes here")
         per_block = config.block_size * bytes_per_token(cfg, cfg.num_layers, dtype, config.kv_cache_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:

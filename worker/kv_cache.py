@@ -24,6 +24,32 @@ def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_ca
     return num_layers * width * dtype.itemsize
 
 
+def worker_reserve(cfg: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Device memory a worker needs besides its KV cache: about 1 GiB of CUDA context,
+    kernels and library workspaces, plus the largest step's activations, dominated by
+    float32 logits and their log-softmax when a prompt is scored on every row."""
+    return (1 << 30) + max_num_batched_tokens * (8 * cfg.vocab_size + 64 * cfg.hidden_size)
+
+
+def kv_cache_share(cfg: ModelConfig, device: torch.device, weight_bytes: int, max_num_batched_tokens: int,
+                   workers: int, spares: int, utilization: float) -> int:
+    """Bytes of KV cache for one of `workers` engines that share one GPU and the
+    daemon's weights: the weights count once, each worker and spare keeps its reserve,
+    the rest of `utilization` x the device is split evenly. Never more than is free now."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = worker_reserve(cfg, max_num_batched_tokens)
+    share = int((utilization * total - weight_bytes - (workers + spares) * reserve) / workers)
+    budget = min(share, free - reserve)
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"no room for a KV cache on {device}: {utilization:.0%} of {total / gib:.1f} GiB less {weight_bytes / gib:.1f} GiB"
+            f" of weights and {workers + spares} x {reserve / gib:.1f} GiB of worker reserve leaves {share / gib:.2f} GiB"
+            f" per worker; {free / gib:.1f} GiB is free now. Lower --workers or --spare-workers, or set --kv-cache-memory"
+        )
+    return budget
+
+
 class LatentCache:
     """Per-layer slot pools. With kv_cache_dtype "fp8" each cached vector is stored in
     e4m3 with its own float32 scale (per token), and dequantized when read."""

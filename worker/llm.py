@@ -76,7 +76,12 @@ class LLM:
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
-        self.engine = Engine(self.model, self.tokenizer, engine or EngineConfig(), self.device)
+        self.start_engine(engine or EngineConfig())
+
+    def start_engine(self, config: EngineConfig) -> None:
+        """(Re)build the engine and its KV cache; the old engine's cache is freed first."""
+        self.engine = None
+        self.engine = Engine(self.model, self.tokenizer, config, self.device)
         self.stop_ids = self.engine.stop_ids
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:

@@ -10,22 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import uvicorn
 
 from preload.worker.async_engine import AsyncEngine
 from preload.worker.engine import EngineConfig
+from preload.worker.kv_cache import bytes_per_token, kv_cache_share
 from preload.worker.llm import LLM
 from preload.worker.sampler import SamplingParams
 from preload.worker.sequence import Sequence
 from preload.worker.server import BodyLimit, WorkerState, create_app
 
 log = logging.getLogger("preload.worker")
+
+
+WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up token needs one
 
 
 @dataclass
@@ -39,6 +44,24 @@ class ServeOptions:
     trust_request_chat_template: bool = False
     drain_timeout: float = 30.0
     max_request_bytes: int = 4 << 20
+    gpu_memory_utilization: float = 0.9  # of the whole device, weights and all workers included (auto KV cache)
+    workers: int = 1  # engines sharing the device's KV space (the daemon's --workers)
+    spares: int = 0  # warm spare workers the daemon keeps beside them
+
+
+def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
+    """The KV cache budget: as configured, or on a GPU (auto) this worker's share of
+    what the daemon's weights leave free; 512 MiB on CPU."""
+    if opts.engine.kv_cache_memory is not None:
+        return opts.engine.kv_cache_memory
+    if llm.device.type != "cuda":
+        return EngineConfig().kv_cache_memory
+    e, cfg = opts.engine, llm.config
+    share = kv_cache_share(cfg, llm.device, llm.attached.manifest["arena"]["size"], e.max_num_batched_tokens,
+                           opts.workers, opts.spares, opts.gpu_memory_utilization)
+    # More than every sequence at full length is never used (and a small model would get millions of blocks).
+    useful = e.max_num_seqs * cfg.max_position_embeddings * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
+    return min(share, useful)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -77,17 +100,49 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Callable[[], None] | None = None) -> None:
+class DaemonLink:
+    """A supervised worker's side of the daemon: reports, and the pipe on which the
+    daemon says which slot to serve (a spare waits there, warm, until one falls vacant)."""
+
+    def __init__(self, state_dir: Path, go_fd: int, on_slot: Callable[[int], None]):
+        self.state_dir, self.go_fd, self.on_slot = state_dir, go_fd, on_slot
+
+    def report(self, op: str, **fields) -> None:
+        from preload.ipc.client import DaemonClient
+
+        with DaemonClient(self.state_dir) as client:
+            client.request(op, **fields)
+
+    def wait_for_slot(self) -> int | None:
+        """Block until the daemon gives us a slot; None if it went away first."""
+        with os.fdopen(self.go_fd, "rb") as go:
+            line = go.readline()
+        if not line:
+            return None
+        slot = int(line)
+        self.on_slot(slot)
+        return slot
+
+
+def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None) -> None:
     """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
-    until warm). Given the daemon's shared socket it warms up first and only then
-    accepts: meanwhile clients wait in the backlog, or are taken by workers that are ready."""
+    until warm). Supervised (the daemon's shared socket and a DaemonLink) it warms up
+    first, waits for its slot, and only then allocates its KV cache and accepts:
+    meanwhile clients wait in the backlog, or are taken by workers that are ready."""
     state = WorkerState()
-    llm = LLM(opts.model, state_dir=opts.state_dir, engine=opts.engine)
+    llm = LLM(opts.model, state_dir=opts.state_dir, engine=replace(opts.engine, kv_cache_memory=WARM_UP_KV_BYTES))
     name = opts.served_model_name or Path(llm.attached.manifest["model"]).name
+    if link is not None:
+        llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
+        link.report("worker_warm")
+        if link.wait_for_slot() is None:
+            log.info("the daemon went away before giving this spare a slot")
+            llm.close()
+            return
+    llm.start_engine(replace(opts.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
+    log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
-    shared_socket = sock is not None
-    if shared_socket:
-        llm.generate([[0]], max_tokens=1)
+    if link is not None:
         mark_ready(state)
 
     async def warm_up() -> None:
@@ -98,9 +153,10 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Calla
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start(asyncio.get_running_loop())
-        if shared_socket and on_ready:
-            await asyncio.get_running_loop().run_in_executor(None, on_ready)
-        warming = None if shared_socket else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
+        if link is not None:
+            kv = llm.engine.config.kv_cache_memory
+            await asyncio.get_running_loop().run_in_executor(None, lambda: link.report("worker_ready", kv_cache_bytes=kv))
+        warming = None if link else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
         yield
         if warming:
             warming.cancel()
@@ -110,7 +166,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, on_ready: Calla
         sock = listen(opts.host, opts.port)
     config = uvicorn.Config(BodyLimit(app, opts.max_request_bytes), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(config, state, engine, opts.drain_timeout, shared_socket)
+    server = DrainingServer(config, state, engine, opts.drain_timeout, shared_socket=link is not None)
     try:
         server.run(sockets=[sock])
     finally:
@@ -125,21 +181,31 @@ def mark_ready(state: WorkerState) -> None:
     log.info("ready in %.3f s", time.monotonic() - state.started)
 
 
-def serve_from_spec(spec: dict, sock: socket.socket) -> int:
+def serve_from_spec(spec: dict, sock: socket.socket, go_fd: int) -> int:
     """Run a supervised worker: options as the daemon wrote them, the daemon's
-    listening socket, and a `worker_ready` report to the daemon once healthy."""
-    from preload.ipc.client import DaemonClient
-
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-{spec['slot']} %(levelname)s %(message)s")
-    opts = ServeOptions(**{k: v for k, v in spec.items() if k not in ("slot", "engine")}, engine=EngineConfig(**spec["engine"]))
+    listening socket, and the pipe on which the daemon assigns the worker its slot."""
+    opts = ServeOptions(**{k: v for k, v in spec.items() if k not in ("engine", "slot")}, engine=EngineConfig(**spec["engine"]))
     opts.state_dir = Path(opts.state_dir)
+    forked_for = spec.get("slot")  # None: a spare
+    log_format(f"spare-{os.getpid()}" if forked_for is None else f"worker-{forked_for}")
 
-    def report_ready() -> None:
-        with DaemonClient(opts.state_dir) as client:
-            client.request("worker_ready", slot=spec["slot"])
+    def on_slot(slot: int) -> None:
+        if slot == forked_for:
+            return
+        # A spare promoted: from here on this is worker `slot`, and its log is that slot's log.
+        fd = os.open(opts.state_dir / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        log_format(f"worker-{slot}")
+        log.info("serving slot %d (pid %d)", slot, os.getpid())
 
-    serve(opts, sock, report_ready)
+    serve(opts, sock, DaemonLink(opts.state_dir, go_fd, on_slot))
     return 0
+
+
+def log_format(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", force=True)
 
 
 def spec_of(opts: ServeOptions) -> dict:

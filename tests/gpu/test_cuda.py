@@ -14,7 +14,7 @@ import torch
 from checkpoints import CASES, make_hf_model, save_hf_model
 
 from preload import BUNDLED_MODEL, LLM
-from preload.ipc.arena import TensorEntry, create_arena, map_arena, pack
+from preload.ipc.arena import create_arena, map_arena, pack
 
 pytestmark = pytest.mark.gpu
 
@@ -200,3 +200,67 @@ def test_bundled_model_served_on_cuda_survives_a_rogue_writer(tmp_path):
         assert complete()["choices"][0]["text"] == first["choices"][0]["text"]
     finally:
         run_preload("stop", "--state-dir", str(state))
+
+
+def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
+    """Two workers and a spare on one GPU with --kv-cache-memory auto: the weights count
+    once, each worker gets the same share of what `--gpu-memory-utilization` leaves, the
+    whole tree stays within it; a killed worker's slot goes to the warm spare, which
+    takes the same share; after stop the device memory is back where it was."""
+    import json
+    import signal
+    import time
+    import urllib.request
+
+    from preload.worker.config import ModelConfig
+    from preload.worker.kv_cache import worker_reserve
+
+    def used_mib() -> int:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True)
+        return int(out.stdout.strip().splitlines()[0])
+
+    def status() -> dict:
+        return json.loads(run_preload("status", "--state-dir", str(state), "--json").stdout)
+
+    def complete() -> str:
+        body = json.dumps({"prompt": "def main():\n", "max_tokens": 16, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["choices"][0]["text"]
+
+    def wait(predicate, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not (value := predicate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return value
+
+    utilization, max_seqs = 0.2, 100_000  # so many sequences that the share, not their length, bounds the cache
+    state, port = tmp_path / "share", 18592
+    before = used_mib()
+    r = run_preload("start", "--device", "cuda:0", "--state-dir", str(state), "--health-port", "18593", "--workers", "2",
+                    "--spare-workers", "1", "--port", str(port), "--gpu-memory-utilization", str(utilization),
+                    "--max-num-seqs", str(max_seqs))
+    assert r.returncode == 0, r.stderr
+    try:
+        spare = wait(lambda: [x for x in status()["spares"] if x["state"] == "standby"])
+        assert spare, status()
+        s = status()
+        weights = s["bytes_per_device"]["cuda:0"]
+        total = torch.cuda.mem_get_info(0)[1]
+        reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), 2048)
+        expected = (utilization * total - weights - 3 * reserve) / 2
+        kv = [w["kv_cache_bytes"] for w in s["workers"]]
+        assert kv[0] == kv[1] and abs(kv[0] - expected) < 0.01 * expected, (kv, expected)
+        in_use = (used_mib() - before) << 20
+        assert in_use <= utilization * total, f"{in_use / 2**30:.2f} GiB in use > {utilization} of the device"
+        first = complete()
+
+        old = s["workers"][0]["pid"]
+        os.kill(old, signal.SIGKILL)
+        w = wait(lambda: (x := status()["workers"][0])["pid"] != old and x["state"] == "ready" and x)
+        assert w and w["pid"] == spare[0]["pid"] and w["kv_cache_bytes"] == kv[0], w
+        assert complete() == first
+    finally:
+        run_preload("stop", "--state-dir", str(state))
+    assert wait(lambda: used_mib() <= before + 64, timeout=15), f"{used_mib() - before} MiB still used after stop"

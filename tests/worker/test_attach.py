@@ -201,7 +201,7 @@ def end(pid: int, timeout: float = 30) -> int:
 
 
 def write_into_the_weights(report, state_dir) -> None:
-    weights = attach(state_dir)
+    weights = attach(state_dir)  # noqa: F841 (held: the process stays attached while it sleeps)
     t = weights["model.embed_tokens.weight"]
     report("attached")
     t.view(-1)[0] = 12345.0
@@ -252,7 +252,7 @@ def test_the_arena_is_sealed_against_writes_and_resizing(daemons):
 
 
 def attach_and_wait(report, state_dir) -> None:
-    weights = attach(state_dir)
+    weights = attach(state_dir)  # noqa: F841 (held: the process stays attached while it sleeps)
     report("attached")
     time.sleep(600)
 
