@@ -247,10 +247,11 @@ def _reap(launcher: subprocess.Popen | None, daemon: psutil.Process | None) -> N
 # ---- the whole benchmark -----------------------------------------------------------------
 
 
-def machine_info(device: str) -> dict:
+def host_info(device: str) -> dict:
+    """The machine a benchmark ran on, without touching CUDA."""
     import torch
 
-    info = {
+    return {
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
@@ -260,8 +261,13 @@ def machine_info(device: str) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device_requested": device,
-        "cuda_available": torch.cuda.is_available(),
     }
+
+
+def machine_info(device: str) -> dict:
+    import torch
+
+    info = host_info(device) | {"cuda_available": torch.cuda.is_available()}
     if info["cuda_available"]:
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info

@@ -45,11 +45,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -62,7 +60,7 @@ from pathlib import Path
 
 import psutil
 from preload.bench.checkpoint import V2_LITE_MINI
-from preload.bench.cold import _cpu_model, free_port, preload_command, proc_memory
+from preload.bench.cold import free_port, host_info, preload_command, proc_memory
 
 MiB = 2**20
 PROBE_TIMEOUT = 0.25  # seconds per /health probe; a connection nobody accepts yet waits in the backlog
@@ -201,22 +199,9 @@ class Gpu:
 
 
 def machine_info(device: str, gpu: Gpu | None) -> dict:
-    """As bench.cold.machine_info, without asking torch about CUDA (that would initialize
-    CUDA in this process): the GPU's name comes from nvidia-smi."""
-    import torch
-
-    info = {
-        "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": _cpu_model(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device_requested": device,
-    }
+    """bench.cold's host_info; the GPU's name comes from nvidia-smi, so that this process
+    never initializes CUDA."""
+    info = host_info(device) | {"nproc": len(os.sched_getaffinity(0))}
     if gpu is not None:
         info |= {"cuda_device": gpu.name, "gpu_uuid": gpu.uuid, "gpu_total_mib": gpu.total_mib,
                  "nvidia_smi_index": gpu.select}
