@@ -350,15 +350,13 @@ class Supervisor:
             self.slots[old.slot].restarts += 1
         if not self.wait_state([fresh.pid], "standby", timeout=120):
             log.error("replacement for worker %d did not warm up; keeping the old one", old.slot)
-            _signal(fresh.pid, signal.SIGKILL)
-            old.retiring = False
+            self._abandon(fresh, old)
             return
         if self.room_for(old.kv_cache_bytes):
             self._go(fresh)
             if not self.wait_state([fresh.pid], "ready", timeout=120):
                 log.error("replacement for worker %d did not become ready; keeping the old one", old.slot)
-                _signal(fresh.pid, signal.SIGKILL)
-                old.retiring = False
+                self._abandon(fresh, old)
                 return
             self._drain(old, drain_timeout)
         else:
@@ -367,6 +365,11 @@ class Supervisor:
             self._go(fresh)
             if not self.wait_state([fresh.pid], "ready", timeout=120):
                 log.error("replacement for worker %d did not become ready; the watcher replaces it", old.slot)
+
+    def _abandon(self, fresh: Worker, old: Worker) -> None:
+        with self._lock:
+            fresh.retiring, old.retiring = True, False  # its death is not the slot's failure
+        _signal(fresh.pid, signal.SIGKILL)
 
     def _drain(self, worker: Worker, drain_timeout: float) -> None:
         worker.state = "draining"
