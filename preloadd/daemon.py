@@ -226,6 +226,9 @@ class Daemon:
                 except OSError as e:
                     raise DaemonError(f"API port: cannot listen on {o.api_host}:{o.api_port}: {e.strerror}") from None
             self._install_signal_handlers()
+            if o.workers:
+                self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote, o.spares, self.room_for)
+                self.supervisor.prepare()  # the zygote imports while we load
             self.state = "loading"
             log.info("loading %s (quant %s, %s, %s)", o.model, o.quant, o.dtype, o.device)
             last = [0.0]
@@ -240,8 +243,7 @@ class Daemon:
             self.metrics.resident_bytes.labels(str(o.device)).set(self.loaded.arena.size)
             policy = PeerPolicy(o.allow_uids, o.allow_gids)
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
-            if o.workers:
-                self.supervisor = Supervisor(o.workers, o.worker_spec, api, o.use_zygote, o.spares, self.room_for)
+            if self.supervisor:
                 self.supervisor.start()
                 if not self.supervisor.all_ready(o.ready_timeout):
                     last = last_line(o.state_dir / "worker-0.log")

@@ -68,7 +68,8 @@ class Slot:
 
 
 class Zygote:
-    """A running zygote process and the channel to it."""
+    """A zygote process and the channel to it. It is launched at once and spends
+    seconds importing; `wait_ready` blocks until it can fork."""
 
     def __init__(self, spec: dict, listen_fd: int):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -77,10 +78,16 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.version = code_version()
-        ready, _ = zygote.receive(self.sock)
-        if not ready:
-            self.proc.wait()
-            raise RuntimeError(f"the zygote exited with status {self.proc.returncode} before it was ready")
+        self.ready = False
+
+    def wait_ready(self) -> Zygote:
+        if not self.ready:
+            ready, _ = zygote.receive(self.sock)
+            if not ready:
+                self.proc.wait()
+                raise RuntimeError(f"the zygote exited with status {self.proc.returncode} before it was ready")
+            self.ready = True
+        return self
 
     def fork(self, slot: int | None) -> tuple[int, int]:
         """A new worker's pid and the write end of its go pipe."""
@@ -125,10 +132,16 @@ class Supervisor:
 
     # ---- starting workers ---------------------------------------------------------------
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Launch the zygote: its imports then overlap whatever the daemon does before
+        `start` (loading the weights)."""
         become_subreaper()
         if self.use_zygote:
             self.zygote = Zygote(self.spec, self.listen.fileno())
+
+    def start(self) -> None:
+        if self.zygote is not None:
+            self.zygote.wait_ready()
         for slot in range(self.count):
             self._go(self._spawn(slot))
         self._thread.start()
@@ -301,7 +314,7 @@ class Supervisor:
 
     def _renew_zygote_now(self) -> None:
         try:
-            fresh = Zygote(self.spec, self.listen.fileno())
+            fresh = Zygote(self.spec, self.listen.fileno()).wait_ready()
         except (OSError, RuntimeError) as e:
             log.error("cannot start a zygote: %s", e)
             return
@@ -390,7 +403,7 @@ class Supervisor:
                 {
                     "slot": slot,
                     "pid": by_slot[slot].pid if slot in by_slot else None,
-                    "state": by_slot[slot].state if slot in by_slot else ("backoff" if info.failures > 1 else "restarting"),
+                    "state": by_slot[slot].state if slot in by_slot else vacancy(info),
                     "uptime_s": round(now - by_slot[slot].started, 3) if slot in by_slot else 0.0,
                     "restarts": info.restarts,
                     "last_exit": info.last_exit,
@@ -407,7 +420,8 @@ class Supervisor:
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=2)
         with self._lock:
             pids = list(self.workers)
             for w in self.workers.values():
@@ -425,6 +439,13 @@ class Supervisor:
             _reaped(pid, block=True)
         if self.zygote is not None:
             self.zygote.close()
+
+
+def vacancy(info: Slot) -> str:
+    """The state of a slot without a worker."""
+    if info.failures > 1:
+        return "backoff"
+    return "restarting" if info.last_exit else "starting"
 
 
 def describe_exit(status: int) -> str:
