@@ -1,3 +1,6 @@
+#!/usr/bin/env bash
+# On the GPU machine: where a forked worker's start goes (scripts/startup_profile.py),
+# for the bundled model and the v2-lite-shaped checkpoint.
 set -u
 export PYTHONUNBUFFERED=1
 P="python3 -m preload.cli.main"
