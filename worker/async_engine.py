@@ -37,6 +37,13 @@ class AsyncEngine:
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
+    def use(self, engine: Engine) -> None:
+        """Drive `engine` instead (before `start`: a supervised worker builds its server
+        around the warm-up engine, and swaps in the real one when given its slot)."""
+        if self._thread.ident is not None:
+            raise RuntimeError("the engine thread is running")
+        self.engine = engine
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._thread.start()

@@ -126,24 +126,13 @@ class DaemonLink:
 
 def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None) -> None:
     """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
-    until warm). Supervised (the daemon's shared socket and a DaemonLink) it warms up
-    first, waits for its slot, and only then allocates its KV cache and accepts:
-    meanwhile clients wait in the backlog, or are taken by workers that are ready."""
+    until warm). Supervised (the daemon's shared socket and a DaemonLink) it warms up and
+    builds its HTTP app first, waits for its slot, and only then allocates its KV cache
+    and accepts: meanwhile clients wait in the backlog, or are taken by ready workers."""
     state = WorkerState()
     llm = LLM(opts.model, state_dir=opts.state_dir, engine=replace(opts.engine, kv_cache_memory=WARM_UP_KV_BYTES))
     name = opts.served_model_name or Path(llm.attached.manifest["model"]).name
-    if link is not None:
-        llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
-        link.report("worker_warm")
-        if link.wait_for_slot() is None:
-            log.info("the daemon went away before giving this spare a slot")
-            llm.close()
-            return
-    llm.start_engine(replace(opts.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
-    log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
-    if link is not None:
-        mark_ready(state)
 
     async def warm_up() -> None:
         async for _ in engine.generate(Sequence([0], SamplingParams(max_tokens=1))):
@@ -162,11 +151,24 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
             warming.cancel()
 
     app = create_app(engine, llm.tokenizer, name, state, opts.trust_request_chat_template, lifespan)
-    if sock is None:
-        sock = listen(opts.host, opts.port)
     config = uvicorn.Config(BodyLimit(app, opts.max_request_bytes), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
+    config.load()  # before the slot: a spare's take-over is then only what follows
     server = DrainingServer(config, state, engine, opts.drain_timeout, shared_socket=link is not None)
+    if link is not None:
+        llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
+        link.report("worker_warm")
+        if link.wait_for_slot() is None:
+            log.info("the daemon went away before giving this spare a slot")
+            llm.close()
+            return
+    llm.start_engine(replace(opts.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
+    engine.use(llm.engine)
+    log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
+    if link is not None:
+        mark_ready(state)
+    if sock is None:
+        sock = listen(opts.host, opts.port)
     try:
         server.run(sockets=[sock])
     finally:

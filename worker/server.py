@@ -53,12 +53,18 @@ class WorkerMetrics:
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.itl = Histogram("preload_inter_token_latency_seconds", "Time between tokens of a request", registry=r,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        sched, blocks = engine.engine.scheduler, engine.engine.blocks
-        Gauge("preload_queue_depth", "Requests waiting to be scheduled", registry=r).set_function(lambda: len(sched.waiting))
-        Gauge("preload_running_requests", "Requests in the running batch", registry=r).set_function(lambda: len(sched.running))
-        Gauge("preload_kv_blocks_used", "KV cache blocks in use", registry=r).set_function(lambda: blocks.used)
-        Gauge("preload_kv_blocks_total", "KV cache blocks", registry=r).set_function(lambda: blocks.num_blocks)
-        Gauge("preload_preemptions", "Sequences preempted so far", registry=r).set_function(lambda: sched.preemptions)
+        # Looked up at each scrape: a supervised worker swaps its warm-up engine for the real one.
+        def sched():
+            return engine.engine.scheduler
+
+        def blocks():
+            return engine.engine.blocks
+
+        Gauge("preload_queue_depth", "Requests waiting to be scheduled", registry=r).set_function(lambda: len(sched().waiting))
+        Gauge("preload_running_requests", "Requests in the running batch", registry=r).set_function(lambda: len(sched().running))
+        Gauge("preload_kv_blocks_used", "KV cache blocks in use", registry=r).set_function(lambda: blocks().used)
+        Gauge("preload_kv_blocks_total", "KV cache blocks", registry=r).set_function(lambda: blocks().num_blocks)
+        Gauge("preload_preemptions", "Sequences preempted so far", registry=r).set_function(lambda: sched().preemptions)
 
 
 class TextStream:
@@ -150,7 +156,9 @@ def create_app(
     app = FastAPI(title="preload worker", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = WorkerMetrics(engine)
     app.state.metrics = metrics
-    text_of = engine.engine.text
+
+    def text_of(seq: Sequence) -> str:
+        return engine.engine.text(seq)
 
     # ---- errors: always {"error": {...}} ------------------------------------------------
 
