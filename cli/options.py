@@ -20,14 +20,14 @@ def state_dir_path(value: Path | None) -> Path:
     return (value or default_state_dir()).absolute()
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "size") -> int:
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
     t = text.strip().lower()
     number = t.rstrip("kmgib")
     try:
         return int(float(number) * units[t[len(number):]])
     except (ValueError, KeyError):
-        raise click.BadParameter(f"{text!r} is not a size like 512MiB or 2GiB") from None
+        raise click.BadParameter(f"{option}: {text!r} is not a size like 512MiB or 2GiB") from None
 
 
 def engine_options(f):
@@ -56,7 +56,8 @@ def serve_options(state_dir: Path, model: Path | None, host: str, port: int, p: 
     from preload.worker.engine import EngineConfig
     from preload.worker.serve import ServeOptions
 
-    kv = None if p["kv_cache_memory"].strip().lower() == "auto" else parse_size(p["kv_cache_memory"])
+    kv = None if p["kv_cache_memory"].strip().lower() == "auto" else parse_size(p["kv_cache_memory"], "--kv-cache-memory")
     engine = EngineConfig(kv, p["kv_cache_dtype"], p["block_size"], p["max_num_seqs"], p["max_num_batched_tokens"])
     return ServeOptions(state_dir, model, host, port, p["served_model_name"], engine, p["trust_request_chat_template"],
-                        p["drain_timeout"], parse_size(p["max_request_bytes"]), p["gpu_memory_utilization"])
+                        p["drain_timeout"], parse_size(p["max_request_bytes"], "--max-request-bytes"),
+                        p["gpu_memory_utilization"])
