@@ -422,7 +422,7 @@ def test_preemption_under_tiny_kv_budget_keeps_outputs(worker, small, vocab):
 def test_client_disconnect_mid_stream_frees_sequence_and_blocks(worker, vocab, ctx):
     itl = "preload_inter_token_latency_seconds_count"
     before = worker.metrics()[itl]
-    max_tokens = min(200, ctx - 20)
+    max_tokens = min(1000, ctx - 20)  # long enough that running to the end could not pass for an abort
     body = greedy([ids(6, 300, vocab), ids(9, 301, vocab)], max_tokens, stream=True)
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", worker.url + "/v1/completions", json=body) as r:
