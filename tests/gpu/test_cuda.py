@@ -213,6 +213,7 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
     import urllib.request
 
     from preload.worker.config import ModelConfig
+    from preload.worker.engine import EngineConfig
     from preload.worker.kv_cache import worker_reserve
 
     def used_mib() -> int:
@@ -248,7 +249,7 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
         s = status()
         weights = s["bytes_per_device"]["cuda:0"]
         total = torch.cuda.mem_get_info(0)[1]
-        reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), 2048)
+        reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), EngineConfig().max_num_batched_tokens)
         expected = (utilization * total - weights - 3 * reserve) / 2
         kv = [w["kv_cache_bytes"] for w in s["workers"]]
         assert kv[0] == kv[1] and abs(kv[0] - expected) < 0.01 * expected, (kv, expected)
