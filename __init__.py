@@ -1,8 +1,6 @@
 """preload: DeepSeek-family MoE weights loaded once, engines attached zero-copy."""
 
-from pathlib import Path
-
-BUNDLED_MODEL = str(Path(__file__).parent / "bundled" / "tiny-v3")
+from preload.options import BUNDLED_MODEL
 
 
 def __getattr__(name: str):

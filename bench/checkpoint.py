@@ -1,6 +1,6 @@
 """Synthetic random-weight checkpoints in HF layout, standing in for real ones of the same shapes.
 
-No transformers needed: names and shapes come from `preload.worker.layout`, the same
+No transformers needed: names and shapes come from `preload.checkpoint.shapes`, the same
 table the loader checks a checkpoint against, so whatever this writes the daemon loads.
 """
 
@@ -101,8 +101,8 @@ def make_random_checkpoint(
     """
     from safetensors.torch import save_file
 
-    from preload.worker.config import ModelConfig
-    from preload.worker.layout import checkpoint_shapes
+    from preload.checkpoint.config import ModelConfig
+    from preload.checkpoint.shapes import checkpoint_shapes
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -647,9 +647,9 @@ t = time.perf_counter()
 import torch, fastapi, uvicorn  # what the zygote imports
 import preload.worker.serve
 from preload.worker.attach import attach
-from preload.worker.engine import Engine, EngineConfig
+from preload.worker.engine.engine import Engine, EngineConfig
 from preload.worker.llm import LLM
-from preload.worker.model import Transformer
+from preload.worker.model.deepseek import Transformer
 out = {"imports_s": time.perf_counter() - t}
 sd = sys.argv[1]
 t = time.perf_counter(); a = attach(sd); out["attach_s"] = time.perf_counter() - t; a.close()

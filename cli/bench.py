@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-QUANTS = ("none", "fp8_per_tensor", "fp8_block")
+from preload.options import QUANT_MODES as QUANTS
 
 
 def _quant_list(ctx, param, value: str) -> list[str]:

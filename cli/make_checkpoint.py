@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from preload.cli.options import parse_size
+from preload.options import parse_size
 
 
 @click.command("make-checkpoint")
@@ -22,7 +22,10 @@ def make_checkpoint(shape, out, moe_layers, shard_size, seed):
     from preload.bench.checkpoint import SHAPES, make_random_checkpoint
 
     config = SHAPES[shape](moe_layers)
-    size = parse_size(shard_size.replace("GB", "G").replace("MB", "M"), "--shard-size")
+    try:
+        size = parse_size(shard_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shard-size") from None
     make_random_checkpoint(out, config, size, seed=seed, with_mtp=shape == "v3-slice")
     total = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     click.echo(f"wrote {out} ({total / 1e9:.2f} GB)")

@@ -1,63 +1,97 @@
-"""Command-line options shared by several `preload` subcommands."""
+"""The command line's options, generated from the option dataclasses in preload/options.py.
+
+Each command-line field becomes one click option named after it (`max_num_seqs` ->
+`--max-num-seqs`), with its type, bounds, choices, default and help from the field;
+`build` turns the parsed values back into the dataclass.
+"""
 
 from __future__ import annotations
 
+import types
+import typing
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from preload.ipc.protocol import default_state_dir
+from preload.options import STATE_DIR_HELP, cli_fields, from_paths
+
+
+def _param(path: tuple[str, ...]) -> str:
+    return "__".join(path)
+
+
+def _click_type(f, kind):
+    meta = f.metadata
+    if meta["parse"] is not None:
+        return str  # parsed by the callback below
+    if meta["choices"]:
+        return click.Choice(meta["choices"])
+    base = next((a for a in typing.get_args(kind) if a is not type(None)), kind) if isinstance(kind, types.UnionType) else kind
+    if typing.get_origin(base) is tuple:
+        base = typing.get_args(base)[0]
+    if meta["bounds"] and base in (int, float):
+        lo, hi = meta["bounds"]
+        return (click.IntRange if base is int else click.FloatRange)(lo, hi)
+    if base is Path:
+        return click.Path(path_type=Path, file_okay=f.name != "state_dir")
+    return base
+
+
+def _option(path: tuple[str, ...], f, kind):
+    meta = f.metadata
+    flag = meta["flag"] or "--" + f.name.replace("_", "-")
+    kw = {"help": meta["help"], "default": f.default, "show_default": f.default is not None and f.default != ()}
+    if kind is bool:
+        kw |= {"is_flag": True, "show_default": False}
+    else:
+        kw["type"] = _click_type(f, kind)
+    if typing.get_origin(kind) is tuple:
+        kw |= {"multiple": True, "show_default": False}
+    if meta["parse"] is not None:
+        kw["default"] = meta["show"](f.default)
+        kw["show_default"] = True
+
+        def parse(ctx, param, value, parse=meta["parse"]):
+            try:
+                return parse(value)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+
+        kw["callback"] = parse
+    return click.option(flag, _param(path), **kw)
+
+
+def options_of(cls, exclude: tuple[str, ...] = ()):
+    """A decorator adding an option for every command-line field of `cls` (except the
+    fields named in `exclude`) to a click command."""
+
+    def decorate(command):
+        for path, f, kind in reversed(cli_fields(cls)):
+            if f.name not in exclude:
+                command = _option(path, f, kind)(command)
+        return command
+
+    return decorate
+
+
+def build(cls, params: dict):
+    """The dataclass from a command's parsed parameters (as `options_of` named them);
+    a relative state dir or model dir is made absolute (the daemon runs elsewhere)."""
+    known = {_param(path): path for path, _, _ in cli_fields(cls)}
+    options = from_paths(cls, {known[name]: value for name, value in params.items() if name in known})
+    model = options.model and Path(options.model).absolute()
+    return replace(options, state_dir=state_dir_path(options.state_dir), model=model)
+
+
+def state_dir_path(value: Path | None) -> Path:
+    return (Path(value) if value else default_state_dir()).absolute()
+
 
 state_dir_option = click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID].",
+    help=STATE_DIR_HELP,
 )
-
-
-def state_dir_path(value: Path | None) -> Path:
-    return (value or default_state_dir()).absolute()
-
-
-def parse_size(text: str, option: str = "size") -> int:
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    t = text.strip().lower()
-    number = t.rstrip("kmgib")
-    try:
-        return int(float(number) * units[t[len(number):]])
-    except (ValueError, KeyError):
-        raise click.BadParameter(f"{option}: {text!r} is not a size like 512MiB or 2GiB") from None
-
-
-def engine_options(f):
-    """Options of the engine a worker runs, shared by `preload serve` and `preload start --workers`."""
-    for option in reversed([
-        click.option("--served-model-name", default=None, help="Model id in the API [default: checkpoint dir name]."),
-        click.option("--kv-cache-memory", default="auto", show_default=True,
-                     help="Bytes of latent KV cache per worker; auto: on a GPU, each worker's share of what the weights"
-                          " leave within --gpu-memory-utilization, 512MiB on CPU."),
-        click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), default=0.9, show_default=True,
-                     help="Fraction of the GPU that weights, workers and their KV caches may use (auto KV cache)."),
-        click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True),
-        click.option("--block-size", type=click.IntRange(1, 1024), default=16, show_default=True),
-        click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True),
-        click.option("--max-num-batched-tokens", type=click.IntRange(1), default=2048, show_default=True),
-        click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="Seconds to finish requests on SIGTERM."),
-        click.option("--max-request-bytes", default="4MiB", show_default=True),
-        click.option("--trust-request-chat-template", is_flag=True, help="Let requests supply chat_template / chat_template_kwargs."),
-    ]):
-        f = option(f)
-    return f
-
-
-def serve_options(state_dir: Path, model: Path | None, host: str, port: int, p: dict):
-    """ServeOptions from the values of `engine_options`."""
-    from preload.worker.engine import EngineConfig
-    from preload.worker.serve import ServeOptions
-
-    kv = None if p["kv_cache_memory"].strip().lower() == "auto" else parse_size(p["kv_cache_memory"], "--kv-cache-memory")
-    engine = EngineConfig(kv, p["kv_cache_dtype"], p["block_size"], p["max_num_seqs"], p["max_num_batched_tokens"])
-    return ServeOptions(state_dir, model, host, port, p["served_model_name"], engine, p["trust_request_chat_template"],
-                        p["drain_timeout"], parse_size(p["max_request_bytes"], "--max-request-bytes"),
-                        p["gpu_memory_utilization"])

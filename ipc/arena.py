@@ -1,203 +1,27 @@
-"""Arenas: one fd-backed region per device holding every tensor, packed at aligned offsets.
+"""Arenas: one fd-backed region per device holding every tensor (ipc/layout.py says where).
 
 The daemon creates an arena, writes each tensor once, seals it and hands it out;
-workers map it read-only and build tensor views, without copying. The manifest's
-layout (name, dtype, shape, offset, nbytes of each tensor) says where each lives.
+workers map it read-only and build tensor views, without copying. Both sides have the
+same shape whatever the transport:
+- daemon side: `write(entry, tensor)`, `seal()`, `info()` (what the manifest carries),
+  `fds()` (what travels over SCM_RIGHTS), `close()`, `size`;
+- worker side: `base` (the arena as a flat uint8 tensor), `close()`.
 
-Transports: `memfd` (host memory, sealed against writes, growth and shrinking), and
-the CUDA transports `cuda-vmm` and `cuda-ipc` (ipc/cuda.py) with the same two sides.
+Transports: `memfd` (host memory, ipc/memfd.py) and the CUDA transports `cuda-vmm` and
+`cuda-ipc` (ipc/cuda.py, imported only for CUDA devices).
 """
 
 from __future__ import annotations
 
-import fcntl
-import mmap
 import os
-import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
-ALIGN = 256  # bytes; keeps every view aligned for any dtype and for vector loads
-MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+from preload.ipc.layout import ArenaError
+from preload.ipc.manifest import ArenaInfo
+from preload.ipc.memfd import MappedArena, MemfdArena
+
 TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
-
-
-class ArenaError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str  # torch dtype name, e.g. "bfloat16", "float8_e4m3fn"
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ArenaError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def pack(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[TensorEntry], int]:
-    """Lay tensors out back to back at ALIGN-byte offsets; returns entries and total size."""
-    entries, offset = [], 0
-    for name, dtype, shape in specs:
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        entries.append(TensorEntry(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return entries, max(offset, ALIGN)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """An arena's entries column by column (TensorEntry's fields), as the manifest
-    carries them. A MoE model has thousands of tensors: five lists encode and decode
-    (msgpack) several times faster than as many maps, and checks run on whole columns."""
-
-    name: list[str]
-    dtype: list[str]
-    shape: list[tuple[int, ...]]
-    offset: list[int]
-    nbytes: list[int]
-
-    @classmethod
-    def of(cls, entries: Iterable[TensorEntry]) -> Layout:
-        entries = list(entries)
-        return cls(*([getattr(e, f.name) for e in entries] for f in fields(cls)))
-
-    def to_wire(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # msgpack sends tuples as arrays
-
-    @classmethod
-    def from_wire(cls, d: dict) -> Layout:
-        """Only the columns' form is checked here; `tensor_views` checks what they say."""
-        columns = [d.get(f.name) for f in fields(cls)] if isinstance(d, dict) else [None]
-        if not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
-            names = ", ".join(f.name for f in fields(cls))
-            raise ArenaError(f"malformed manifest layout: expected equally long lists {names}")
-        name, dtype, shape, offset, nbytes = columns
-        if not all(isinstance(s, list) for s in shape):
-            raise ArenaError("malformed manifest layout: a shape is not a list")
-        return cls(name, dtype, [tuple(s) for s in shape], offset, nbytes)
-
-
-def _int_column(values: list, what: str) -> np.ndarray:
-    a = np.asarray(values) if values else np.zeros(0, dtype=np.int64)
-    if a.ndim != 1 or a.dtype.kind != "i":  # strings, floats, bools or ints beyond int64
-        raise ArenaError(f"manifest layout: the {what} are not all integers")
-    return a.astype(np.int64, copy=False)
-
-
-def _contiguous(shape: tuple, limit: int) -> tuple[int, tuple[int, ...]]:
-    """numel and row-major strides of a shape of at most `limit` elements."""
-    numel, strides = 1, []
-    for n in reversed(shape):
-        if type(n) is not int or n < 0:
-            raise ArenaError(f"manifest layout: bad shape {shape!r}")
-        strides.append(numel)
-        numel *= n
-    if numel > limit:  # also keeps numel * itemsize within int64 below
-        raise ArenaError(f"manifest layout: shape {shape!r} is larger than the arena")
-    return numel, tuple(reversed(strides))
-
-
-def tensor_views(base: torch.Tensor, layout: Layout | Iterable[TensorEntry]) -> dict[str, torch.Tensor]:
-    """Typed views into a flat uint8 tensor that holds an arena. The layout comes from
-    another process: entries must lie inside `base`, not overlap, be aligned for their
-    dtype, match their shapes and have distinct names, or nothing is viewed.
-
-    Checked on whole columns at once, and viewed with one `as_strided` per tensor on a
-    per-dtype view of the whole arena: a MoE model has thousands of tensors, and Python
-    work per entry is most of what a restarting worker's attach costs."""
-    if not isinstance(layout, Layout):
-        layout = Layout.of(layout)
-    size = base.numel()
-    if not all(type(n) is str for n in layout.name) or len(set(layout.name)) != len(layout.name):
-        raise ArenaError("manifest layout: tensor names must be distinct strings")
-    if not all(type(d) is str for d in layout.dtype):
-        raise ArenaError("manifest layout: dtypes must be strings")
-    itemsize = {d: torch_dtype(d).itemsize for d in set(layout.dtype)}
-    try:  # MoE layers repeat a handful of shapes thousands of times: work each out once
-        shapes = {s: _contiguous(s, size) for s in set(layout.shape)}
-    except TypeError:
-        raise ArenaError("manifest layout: bad shape") from None
-    offset, nbytes = _int_column(layout.offset, "offsets"), _int_column(layout.nbytes, "sizes")
-    item = np.array([itemsize[d] for d in layout.dtype], dtype=np.int64)
-    numel = np.array([shapes[s][0] for s in layout.shape], dtype=np.int64)
-    end = offset + nbytes  # can wrap only where offset or nbytes is far out of range: refused below
-    order = np.argsort(offset, kind="stable")
-    overlaps = np.zeros(len(order), dtype=bool)
-    overlaps[order[1:]] = offset[order[1:]] < end[order[:-1]]
-    problems = {
-        "lies outside the arena": (offset < 0) | (offset > size) | (end > size),
-        "is misaligned for its dtype": offset % item != 0,
-        "does not match its shape's size": nbytes != numel * item,
-        "overlaps another": overlaps,
-    }
-    for what, bad in problems.items():
-        if bad.any():
-            e = int(np.flatnonzero(bad)[0])
-            raise ArenaError(
-                f"manifest entry {layout.name[e]} ({layout.dtype[e]} {layout.shape[e]}, {layout.nbytes[e]} bytes"
-                f" at offset {layout.offset[e]}) {what}"
-            )
-    typed = {d: base[: size - size % n].view(torch_dtype(d)) for d, n in itemsize.items()}
-    first = {d: t.storage_offset() for d, t in typed.items()}  # as_strided offsets are absolute
-    return {
-        name: typed[d].as_strided(s, shapes[s][1], first[d] + o // itemsize[d])
-        for name, d, s, o in zip(layout.name, layout.dtype, layout.shape, layout.offset)
-    }
-
-
-class MemfdArena:
-    """Daemon side of a host-memory arena: an anonymous memfd, written with pwrite,
-    then sealed so that no process (the daemon included) can change or resize it."""
-
-    transport = "memfd"
-
-    def __init__(self, size: int, label: str = "preload-arena"):
-        self.size = size
-        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, size)
-        except OSError:
-            os.close(self.fd)
-            raise
-
-    def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
-        check_planned(entry, tensor)
-        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], entry.offset + done)
-
-    def seal(self) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
-
-    def info(self) -> dict:
-        """What goes into the manifest; the fd itself travels over SCM_RIGHTS."""
-        return {"transport": self.transport, "size": self.size}
-
-    def fds(self) -> list[int]:
-        return [self.fd]
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def check_planned(entry: TensorEntry, tensor: torch.Tensor) -> None:
-    if str(tensor.dtype).removeprefix("torch.") != entry.dtype or tuple(tensor.shape) != entry.shape:
-        raise ArenaError(f"tensor {entry.name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}")
 
 
 def default_transport(device: torch.device) -> str:
@@ -217,46 +41,15 @@ def create_arena(transport: str, size: int, device: torch.device):
     return (VmmArena if transport == "cuda-vmm" else IpcArena)(size, device)
 
 
-def map_arena(info: dict, fds: list[int]):
+def map_arena(info: ArenaInfo, fds: list[int]):
     """The worker side: an object whose `base` is the arena as a flat uint8 tensor."""
-    transport = info.get("transport")
+    transport = info.transport
     if transport == "memfd":
         return MappedArena(info, fds)
-    if transport in ("cuda-vmm", "cuda-ipc"):
+    if transport in ("cuda-vmm", "cuda-ipc") and info.device is not None:
         from preload.ipc.cuda import IpcMapping, VmmMapping
 
         return (VmmMapping if transport == "cuda-vmm" else IpcMapping)(info, fds)
     for fd in fds:
         os.close(fd)
-    raise ArenaError(f"unknown arena transport {transport!r}")
-
-
-class MappedArena:
-    """Worker side: the arena mapped read-only, as one flat uint8 tensor."""
-
-    def __init__(self, handle: dict, fds: list[int]):
-        if handle.get("transport") != "memfd" or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise ArenaError(f"cannot map arena {handle!r} with {len(fds)} fds")
-        self.size = int(handle["size"])
-        self.fd = fds[0]
-        try:
-            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
-            if seals & MEMFD_SEALS != MEMFD_SEALS:
-                raise ArenaError("arena memfd is not sealed; refusing to trust it")
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        with warnings.catch_warnings():
-            # The buffer is read-only on purpose: a write faults instead of touching the weights.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.base = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    def close(self) -> None:
-        # Views may outlive us; the mapping goes away when the last one is freed.
-        self.base = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    raise ArenaError(f"cannot map arena {info!r}: unknown transport, or no device for a CUDA one")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import zmq
 
+from preload.ipc.manifest import ArenaInfo
 from preload.ipc.protocol import ProtocolError, control_address, decode, encode, fd_socket_path, recv_with_fds, send_with_fds
 
 
@@ -40,7 +41,7 @@ class DaemonClient:
             raise DaemonError(reply.get("error", "unknown error"))
         return reply
 
-    def arena_fds(self) -> tuple[dict, list[int]]:
+    def arena_fds(self) -> tuple[ArenaInfo, list[int]]:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(self.timeout_ms / 1000)
             try:
@@ -49,11 +50,14 @@ class DaemonClient:
                 raise DaemonUnavailable(f"cannot reach {fd_socket_path(self.state_dir)}: {e.strerror}") from None
             send_with_fds(sock, {"op": "fds"}, [])
             reply, fds = recv_with_fds(sock)
-        if not reply.get("ok"):
+        try:
+            if not reply.get("ok"):
+                raise DaemonError(reply.get("error", "unknown error"))
+            return ArenaInfo.from_wire(reply.get("arena")), fds
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            raise DaemonError(reply.get("error", "unknown error"))
-        return reply["arena"], fds
+            raise
 
     def close(self) -> None:
         self._sock.close(linger=0)

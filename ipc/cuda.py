@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from preload.ipc.arena import ArenaError, TensorEntry, check_planned
+from preload.ipc.layout import ArenaError, TensorEntry, check_planned
+from preload.ipc.manifest import ArenaInfo
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -200,19 +201,18 @@ class VmmArena(_VmmHolder):
         _cu().cuMemRelease(ctypes.c_uint64(self.handle))  # the exported fd keeps the memory alive
         self.handle = None
 
-    def info(self) -> dict:
-        return {"transport": self.transport, "size": self.size, "device": self.ordinal}
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(self.transport, self.size, self.ordinal)
 
     def fds(self) -> list[int]:
         return [self.fd]
 
 
-
 class VmmMapping(_VmmHolder):
     """Worker side: the arena imported from its fd and mapped read-only."""
 
-    def __init__(self, info: dict, fds: list[int]):
-        self.size, self.ordinal = int(info["size"]), int(info["device"])
+    def __init__(self, info: ArenaInfo, fds: list[int]):
+        self.size, self.ordinal = info.size, info.device
         self.fd = fds[0]
         try:
             _device_context(torch.device("cuda", self.ordinal))
@@ -224,7 +224,6 @@ class VmmMapping(_VmmHolder):
             self.close()
             raise
         self.base = _as_tensor(self.ptr, self.size, self.ordinal)
-
 
 
 class IpcArena:
@@ -250,8 +249,8 @@ class IpcArena:
     def seal(self) -> None:
         torch.cuda.synchronize(self.ordinal)
 
-    def info(self) -> dict:
-        return {"transport": self.transport, "size": self.size, "device": self.ordinal, "ipc_handle": self.ipc_handle}
+    def info(self) -> ArenaInfo:
+        return ArenaInfo(self.transport, self.size, self.ordinal, self.ipc_handle)
 
     def fds(self) -> list[int]:
         return []
@@ -265,12 +264,12 @@ class IpcArena:
 
 
 class IpcMapping:
-    def __init__(self, info: dict, fds: list[int]):
+    def __init__(self, info: ArenaInfo, fds: list[int]):
         for fd in fds:
             os.close(fd)
-        self.size, self.ordinal = int(info["size"]), int(info["device"])
+        self.size, self.ordinal = info.size, info.device
         _device_context(torch.device("cuda", self.ordinal))
-        ipc = CUipcMemHandle.from_buffer_copy(info["ipc_handle"])
+        ipc = CUipcMemHandle.from_buffer_copy(info.ipc_handle)
         ptr = ctypes.c_uint64()
         open_handle = _cu().cuIpcOpenMemHandle_v2
         open_handle.argtypes = [ctypes.POINTER(ctypes.c_uint64), CUipcMemHandle, ctypes.c_uint]  # the handle goes by value

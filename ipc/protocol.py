@@ -15,8 +15,10 @@ from pathlib import Path
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: the manifest's tensors travel as columns (ipc.arena.Layout)
-OPS = ("hello", "manifest", "status", "release", "shutdown", "worker_warm", "worker_ready", "restart")
+# 2: the manifest's tensors travel as columns (ipc.layout.Layout).
+# 3: the manifest is typed (ipc.manifest); workers report to the daemon on their own link, not here.
+PROTOCOL_VERSION = 3
+OPS = ("hello", "manifest", "status", "release", "shutdown", "restart")
 MAX_MESSAGE = 64 << 20  # a manifest of a very large model stays far below this
 
 

@@ -5,10 +5,23 @@ MLA keeps the rest of the head position-free so that it can be absorbed.
 """
 
 import math
+from typing import Protocol
 
 import torch
 
-from preload.worker.config import RopeConfig
+
+class RopeParams(Protocol):
+    """What the rotary math reads of a model's rope settings (the checkpoint's
+    RopeConfig has these fields); declared here so the kernels import nothing above them."""
+
+    theta: float
+    kind: str  # "default" or "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -16,7 +29,7 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(rope: RopeParams, dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim/2 of them) and the factor that scales cos and sin."""
     extrapolation = 1.0 / rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope.kind == "default":
@@ -40,7 +53,7 @@ def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, scale
 
 
-def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
+def softmax_scale(rope: RopeParams, qk_head_dim: int) -> float:
     """1/sqrt(d), corrected for YaRN's temperature when the context is stretched."""
     scale = qk_head_dim**-0.5
     if rope.kind == "yarn" and rope.mscale_all_dim:

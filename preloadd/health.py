@@ -43,20 +43,6 @@ def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> FastAPI:
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """Bind before starting the server, so that a taken port is a clear start-up error."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # probes answer without Nagle's 40 ms
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(128)
-    return sock
-
-
 class HttpServer:
     """uvicorn in a background thread over an already bound socket."""
 

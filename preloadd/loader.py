@@ -19,15 +19,15 @@ from pathlib import Path
 import psutil
 import torch
 
-from preload.ipc.arena import Layout, TensorEntry, create_arena, pack
-from preload.ipc.identity import checkpoint_record, fingerprint, tensor_digest
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.identity import AUX_FILES, checkpoint_record, fingerprint, tensor_digest
+from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
+from preload.ipc.arena import create_arena
+from preload.ipc.layout import Layout, TensorEntry, pack
+from preload.ipc.manifest import FILE_PREFIX, Manifest
 from preload.kernels.quant import quantize_weight, stored_layout
-from preload.worker.checkpoint import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
-from preload.worker.config import ModelConfig
-from preload.worker.tokenizer import TOKENIZER_FILES
 
-FILE_PREFIX = "files/"
-LOADER_THREADS = 8  # arena entries holding the checkpoint's small text files, as bytes
+LOADER_THREADS = 8
 
 
 class LoadError(RuntimeError):
@@ -56,7 +56,7 @@ class Progress:
 @dataclass
 class Loaded:
     arena: object
-    manifest: dict
+    manifest: Manifest
 
 
 def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> tuple[list[TensorEntry], int, dict[str, bytes]]:
@@ -68,7 +68,7 @@ def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> t
         for source, shape in shapes.items()
         for name, (stored_dtype, stored_shape) in stored_layout(source, shape, quant, dtype).items()
     ]
-    files = {name: (model_dir / name).read_bytes() for name in ("config.json", *TOKENIZER_FILES) if (model_dir / name).exists()}
+    files = {name: (model_dir / name).read_bytes() for name in AUX_FILES if (model_dir / name).exists()}
     specs += [(FILE_PREFIX + name, torch.uint8, (len(data),)) for name, data in files.items()]
     entries, size = pack(specs)
     return entries, size, files
@@ -134,14 +134,14 @@ def load(
     progress.seconds = time.monotonic() - progress.started
     settings = {"quant": quant, "dtype": str(dtype).removeprefix("torch.")}
     record = checkpoint_record(model_dir, digests, sources)
-    manifest = {
-        "model": str(model_dir),
-        "config": json.loads(files["config.json"]),
+    manifest = Manifest(
+        model=str(model_dir),
+        config=json.loads(files["config.json"]),
         **settings,
-        "device": str(device),
-        "arena": arena.info(),
-        "tensors": Layout.of(entries).to_wire(),
-        "record": record,
-        "fingerprint": fingerprint(record["aux"], digests, settings),
-    }
+        device=str(device),
+        arena=arena.info(),
+        layout=Layout.of(entries),
+        record=record,
+        fingerprint=fingerprint(record.aux, digests, settings),
+    )
     return Loaded(arena, manifest)

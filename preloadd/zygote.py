@@ -1,18 +1,24 @@
 """The zygote: a process that has imported torch and the worker code, never touched
-CUDA, and forks ready-to-attach workers on request.
+CUDA, and forks ready-to-attach workers on request; and the daemon's handle on it.
 
 A fresh Python spends seconds importing torch before it can do anything; a fork of
 this process starts where those imports left off. Each worker is double-forked so
 that it is orphaned at once and adopted by the daemon (a child subreaper), which
 then reaps it and sees its exit status, whether or not the zygote still lives.
 
-Every worker also gets the read end of a "go" pipe: it warms up, then waits there for
-the daemon to write the slot it is to serve (at once, or later for a spare).
+Every worker gets its own link to the daemon: one end of a SOCK_SEQPACKET socketpair
+(the daemon's end travels back over SCM_RIGHTS). The daemon says on it which slot the
+worker is to serve (at once, or later for a spare); the worker reports on it (warm,
+ready, heartbeats). See worker/link.py for the messages.
 
-Protocol on the inherited SOCK_SEQPACKET socketpair (one JSON message each way):
+Protocol on the zygote's own SOCK_SEQPACKET socketpair (one JSON message each way):
   daemon -> zygote  {"slot": k} or {"slot": null}    fork a worker for slot k, or a spare
-  zygote -> daemon  {"pid": p} + the go pipe's write end (SCM_RIGHTS)
-The zygote sends {"ready": true} once its imports are done.
+  zygote -> daemon  {"pid": p} + the daemon's end of the worker's link (SCM_RIGHTS)
+The zygote sends {"ready": true} once its imports are done; it exits when the daemon
+closes its end.
+
+This module is the one place in preloadd/ that runs worker code (in the zygote and the
+processes it forks, never in the daemon).
 """
 
 from __future__ import annotations
@@ -21,8 +27,57 @@ import gc
 import json
 import os
 import socket
+import subprocess
 import sys
 import traceback
+
+from preload.options import ServeOptions, from_json, to_json
+
+FORK_TIMEOUT = 10.0  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
+
+
+def log_name(slot: int | None) -> str:
+    return "spares.log" if slot is None else f"worker-{slot}.log"
+
+
+def send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
+    socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
+
+
+def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the fds that came with it; None when the other end closed."""
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+    return (json.loads(data) if data else None), fds
+
+
+def link_pair() -> tuple[socket.socket, socket.socket]:
+    """(the daemon's end, the worker's end) of a worker's link."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+# ---- in the worker --------------------------------------------------------------------------
+
+
+def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
+    """Become a worker: the body of a forked (or freshly spawned) worker process."""
+    from preload.worker.serve import serve_supervised
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sock = socket.socket(fileno=os.dup(listen_fd))
+    return serve_supervised(from_json(ServeOptions, spec["serve"]), spec["slot"], sock, link_fd)
+
+
+def worker_main() -> None:
+    """A worker started as a fresh interpreter (--no-zygote): argv is the spec, the
+    listening socket's fd, the link's fd and the log path."""
+    spec, listen_fd, link_fd, log_path = json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    sys.exit(run_worker(spec, listen_fd, link_fd, log_path))
+
+
+# ---- in the zygote --------------------------------------------------------------------------
 
 
 def _preload_imports() -> None:
@@ -34,26 +89,10 @@ def _preload_imports() -> None:
     import preload.worker.serve  # noqa: F401
 
 
-def run_worker(spec: dict, listen_fd: int, go_fd: int, log_path: str) -> int:
-    """Become a worker: the body of a forked (or freshly spawned) worker process."""
-    from preload.worker.serve import serve_from_spec
-
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sock = socket.socket(fileno=os.dup(listen_fd))
-    return serve_from_spec(spec, sock, go_fd)
-
-
-def log_name(slot: int | None) -> str:
-    return "spares.log" if slot is None else f"worker-{slot}.log"
-
-
-def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.socket) -> tuple[int, int]:
-    """Double-fork a worker (already orphaned when this returns); return its pid and
-    the write end of its go pipe."""
-    go_r, go_w = os.pipe()
+def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.socket) -> tuple[int, socket.socket]:
+    """Double-fork a worker (already orphaned when this returns); return its pid and the
+    daemon's end of its link."""
+    ours, theirs = link_pair()
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -61,12 +100,13 @@ def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.so
         grandchild = os.fork()
         if grandchild == 0:
             os.close(w)
-            os.close(go_w)  # only the daemon may say go; and EOF must reach us if it dies
+            ours.close()  # EOF must reach the worker when the daemon's end closes
             os.close(control.detach())  # the worker must not hold the zygote's channel
             os.setsid()
             code = 1
             try:
-                code = run_worker(spec | {"slot": slot}, listen_fd, go_r, f"{spec['state_dir']}/{log_name(slot)}")
+                state_dir = spec["serve"]["state_dir"]
+                code = run_worker(spec | {"slot": slot}, listen_fd, theirs.detach(), f"{state_dir}/{log_name(slot)}")
             except BaseException:
                 traceback.print_exc()  # stderr is the worker's log by now
             finally:
@@ -75,21 +115,11 @@ def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.so
         os.write(w, str(grandchild).encode())
         os._exit(0)
     os.close(w)
-    os.close(go_r)
+    theirs.close()
     with os.fdopen(r) as pipe:
         pid = int(pipe.read())
     os.waitpid(child, 0)
-    return pid, go_w
-
-
-def send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
-    socket.send_fds(sock, [json.dumps(msg).encode()], list(fds))
-
-
-def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
-    """One message and the fds that came with it; None when the other end closed."""
-    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
-    return (json.loads(data) if data else None), fds
+    return pid, ours
 
 
 def main() -> None:
@@ -105,10 +135,86 @@ def main() -> None:
         msg, _ = receive(control)
         if msg is None:  # the daemon closed its end
             return
-        pid, go = fork_worker(spec, msg["slot"], listen_fd, control)
-        send(control, {"pid": pid}, [go])
-        os.close(go)
+        pid, link = fork_worker(spec, msg["slot"], listen_fd, control)
+        send(control, {"pid": pid}, [link.fileno()])
+        link.close()
+
+
+# ---- in the daemon --------------------------------------------------------------------------
+
+
+def worker_spec(serve: ServeOptions) -> dict:
+    """What every worker is started with (its slot is added per worker)."""
+    return {"serve": to_json(serve)}
+
+
+class Zygote:
+    """The daemon's handle on a zygote process. It is launched at once and spends
+    seconds importing; its `sock` becomes readable when it is ready (`accept_ready`)."""
+
+    def __init__(self, spec: dict, listen_fd: int, version: str):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [sys.executable, "-m", "preload.preloadd.zygote", json.dumps(spec), str(listen_fd), str(theirs.fileno())]
+        self.proc = subprocess.Popen(cmd, pass_fds=(listen_fd, theirs.fileno()))
+        theirs.close()
+        self.sock = ours
+        self.pidfd = os.pidfd_open(self.proc.pid)  # readable once it has exited
+        self.version = version  # of the code it imported
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def accept_ready(self) -> bool:
+        """Read the zygote's ready message (call once `sock` is readable); False if it died instead."""
+        ready, _ = receive(self.sock)
+        self.ready = bool(ready)
+        return self.ready
+
+    def fork(self, slot: int | None) -> tuple[int, socket.socket]:
+        """A new worker's pid and the daemon's end of its link."""
+        self.sock.settimeout(FORK_TIMEOUT)
+        try:
+            send(self.sock, {"slot": slot})
+            reply, fds = receive(self.sock)
+        except OSError as e:  # a timeout included: a zygote that cannot fork is as good as dead
+            raise RuntimeError(f"the zygote (pid {self.pid}) did not fork: {e}") from None
+        if not reply or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(f"the zygote (pid {self.pid}) died")
+        return reply["pid"], socket.socket(fileno=fds[0])
+
+    def retire(self) -> None:
+        """Let it go: it exits when its channel closes. Its exit is reaped by whoever
+        watches `proc` (the supervisor, through `proc.poll()`)."""
+        self.sock.close()
+
+    def close(self) -> None:
+        """Once it has been reaped."""
+        self.sock.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def spawn_fresh(spec: dict, slot: int | None, listen_fd: int) -> tuple[subprocess.Popen, socket.socket]:
+    """Without a zygote: a worker as a new interpreter that imports everything itself."""
+    ours, theirs = link_pair()
+    log_path = f"{spec['serve']['state_dir']}/{log_name(slot)}"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "preload.preloadd.zygote", "--worker", json.dumps(spec | {"slot": slot}),
+             str(listen_fd), str(theirs.fileno()), log_path],
+            pass_fds=(listen_fd, theirs.fileno()), start_new_session=True)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
 
 
 if __name__ == "__main__":
-    main()
+    worker_main() if sys.argv[1] == "--worker" else main()

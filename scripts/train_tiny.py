@@ -229,7 +229,7 @@ class ExpertLoads:
     apply DeepSeek-V3's aux-loss-free balancing to `e_score_correction_bias`."""
 
     def __init__(self, model, n_experts: int):
-        from preload.worker.model import MoE
+        from preload.worker.model.deepseek import MoE
 
         blocks = list(model.layers) + ([model.mtp.block] if model.mtp is not None else [])
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bias, counts) per MoE layer
@@ -354,8 +354,8 @@ def main() -> None:
     sample_ids = torch.tensor(tok.encode(sample, add_special_tokens=False).ids, dtype=torch.long)
 
     # --- model
-    from preload.worker.config import ModelConfig
-    from preload.worker.model import Transformer, init_weights
+    from preload.checkpoint.config import ModelConfig
+    from preload.worker.model.deepseek import Transformer, init_weights
 
     config = model_config(vocab)
     cfg = ModelConfig.from_dict(config)

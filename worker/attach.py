@@ -8,26 +8,27 @@ from pathlib import Path
 
 import torch
 
-from preload.ipc.arena import Layout, map_arena, tensor_views
+from preload.ipc.arena import map_arena
 from preload.ipc.client import DaemonClient, DaemonUnavailable
+from preload.ipc.layout import tensor_views
+from preload.ipc.manifest import FILE_PREFIX, Manifest
 from preload.ipc.protocol import default_state_dir
-from preload.preloadd.loader import FILE_PREFIX
 
 
 class AttachedWeights(Mapping[str, torch.Tensor]):
     """Read-only views of the daemon's arena. `manifest` says what was loaded and how;
     `fingerprint` identifies the exact bytes; `files` holds config and tokenizer files."""
 
-    def __init__(self, state_dir: Path, manifest: dict, arena, client: DaemonClient):
+    def __init__(self, state_dir: Path, manifest: Manifest, arena, client: DaemonClient):
         self.state_dir, self.manifest, self._arena, self._client = state_dir, manifest, arena, client
         # tensor_views refuses entries outside the arena, overlapping or misshapen
-        self._tensors = tensor_views(arena.base, Layout.from_wire(manifest["tensors"]))
+        self._tensors = tensor_views(arena.base, manifest.layout)
         files = [name for name in self._tensors if name.startswith(FILE_PREFIX)]
         self.files = {name.removeprefix(FILE_PREFIX): bytes(self._tensors.pop(name).cpu().numpy()) for name in files}
 
     @property
     def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
+        return self.manifest.fingerprint
 
     @property
     def config(self) -> dict:
@@ -66,9 +67,8 @@ def attach(state_dir: str | Path | None = None, timeout: float = 10.0) -> Attach
     client = DaemonClient(state_dir, timeout)
     try:
         client.request("hello")
-        manifest = client.request("manifest")["manifest"]
-        handle, fds = client.arena_fds()
-        arena = map_arena(handle, fds)
+        manifest = Manifest.from_wire(client.request("manifest")["manifest"])
+        arena = map_arena(*client.arena_fds())
     except BaseException:
         client.close()
         raise

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from preload.ipc.identity import IdentityError, verify_checkpoint
-from preload.kernels.quant import QUANT_MODES
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.identity import IdentityError, verify_checkpoint
+from preload.checkpoint.reader import load_checkpoint, resolve_device, resolve_dtype
+from preload.checkpoint.tokenizer import Tokenizer
+from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
-from preload.worker.checkpoint import load_checkpoint
-from preload.worker.config import ModelConfig
-from preload.worker.engine import Engine, EngineConfig
-from preload.worker.model import Transformer, Weights
-from preload.worker.sampler import SamplingParams
-from preload.worker.sequence import Sequence as Seq
-from preload.worker.tokenizer import Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from preload.worker.engine.engine import Engine
+from preload.worker.engine.sampler import SamplingParams
+from preload.worker.engine.sequence import Sequence as Seq
+from preload.worker.model.deepseek import Transformer, Weights
 
 
 @dataclass
@@ -37,20 +35,6 @@ class Completion:
     finish_reason: str | None = None  # "stop" (end of sequence, stop token or string) or "length"
 
 
-def resolve_dtype(dtype: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
-    """Explicit dtype wins; otherwise bf16 on GPUs and the checkpoint's own dtype on CPU."""
-    name = dtype or ("bfloat16" if device.type == "cuda" else cfg.torch_dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} not supported; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 class LLM:
     """A model ready to generate: loaded in this process (on the GPU when there is one,
     unless `device` says otherwise), or attached zero-copy to a running daemon's weights
@@ -64,7 +48,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         state_dir: str | Path | None = None,
-        engine: EngineConfig | None = None,
+        engine: EngineOptions | None = None,
     ):
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
@@ -76,10 +60,14 @@ class LLM:
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
-        self.start_engine(engine or EngineConfig())
+        engine = engine or EngineOptions()
+        if engine.kv_cache_memory is None:
+            engine = replace(engine, kv_cache_memory=CPU_KV_CACHE_BYTES)  # auto, in-process: a fixed budget
+        self.start_engine(engine)
 
-    def start_engine(self, config: EngineConfig) -> None:
-        """(Re)build the engine and its KV cache; the old engine's cache is freed first."""
+    def start_engine(self, config: EngineOptions) -> None:
+        """(Re)build the engine and its KV cache (config.kv_cache_memory in bytes); the
+        old engine's cache is freed first."""
         self.engine = None
         self.engine = Engine(self.model, self.tokenizer, config, self.device)
         self.stop_ids = self.engine.stop_ids
@@ -98,16 +86,16 @@ class LLM:
         try:
             wanted = {"quant": quant, "dtype": dtype, "device": device and str(resolve_device(device))}
             for key, value in wanted.items():
-                if value is not None and value != m[key]:
-                    raise IdentityError(f"the daemon on {state_dir} holds {key} {m[key]}, not {value}")
+                if value is not None and value != getattr(m, key):
+                    raise IdentityError(f"the daemon on {state_dir} holds {key} {getattr(m, key)}, not {value}")
             if model is not None:
-                verify_checkpoint(model, m["record"])
+                verify_checkpoint(model, m.record)
         except BaseException:
             self.attached.close()
             raise
         files = self.attached.files
         self.config = ModelConfig.from_dict(self.attached.config)
-        self.device, self.dtype, self.quant = torch.device(m["device"]), DTYPES[m["dtype"]], m["quant"]
+        self.device, self.dtype, self.quant = torch.device(m.device), resolve_dtype(m.dtype, torch.device(m.device), self.config), m.quant
         self.tokenizer = Tokenizer(files["tokenizer.json"].decode(), json.loads(files.get("tokenizer_config.json", b"{}")))
         return self.attached
 

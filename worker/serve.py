@@ -3,6 +3,10 @@
 /health is 503 until the worker has attached, built its engine and answered a
 warm-up request correctly; on SIGTERM it turns 503 again while in-flight requests
 drain (up to a timeout), then the process exits.
+
+A supervised worker (forked by the daemon's zygote) serves the daemon's listening
+socket and talks to the daemon over its link (worker/link.py): it warms up, says so,
+waits for its slot, then allocates its KV cache and accepts.
 """
 
 from __future__ import annotations
@@ -13,63 +17,39 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 
-from preload.worker.async_engine import AsyncEngine
-from preload.worker.engine import EngineConfig
-from preload.worker.kv_cache import bytes_per_token, kv_cache_share
+from preload.ipc.sockets import listen
+from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
+from preload.worker.api.server import BodyLimit, WorkerState, create_app
+from preload.worker.engine.async_engine import AsyncEngine
+from preload.worker.engine.sampler import SamplingParams
+from preload.worker.engine.sequence import Sequence
+from preload.worker.link import DaemonLink
 from preload.worker.llm import LLM
-from preload.worker.sampler import SamplingParams
-from preload.worker.sequence import Sequence
-from preload.worker.server import BodyLimit, WorkerState, create_app
+from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
 
 log = logging.getLogger("preload.worker")
 
-
 WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up token needs one
-
-
-@dataclass
-class ServeOptions:
-    state_dir: Path
-    model: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    engine: EngineConfig = EngineConfig()
-    trust_request_chat_template: bool = False
-    drain_timeout: float = 30.0
-    max_request_bytes: int = 4 << 20
-    gpu_memory_utilization: float = 0.9  # of the whole device, weights and all workers included (auto KV cache)
-    workers: int = 1  # engines sharing the device's KV space (the daemon's --workers)
-    spares: int = 0  # warm spare workers the daemon keeps beside them
 
 
 def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
     """The KV cache budget: as configured, or on a GPU (auto) this worker's share of
     what the daemon's weights leave free; 512 MiB on CPU."""
-    if opts.engine.kv_cache_memory is not None:
-        return opts.engine.kv_cache_memory
+    e, cfg = opts.worker.engine, llm.config
+    if e.kv_cache_memory is not None:
+        return e.kv_cache_memory
     if llm.device.type != "cuda":
-        return EngineConfig().kv_cache_memory
-    e, cfg = opts.engine, llm.config
-    share = kv_cache_share(cfg, llm.device, llm.attached.manifest["arena"]["size"], e.max_num_batched_tokens,
-                           opts.workers, opts.spares, opts.gpu_memory_utilization)
+        return CPU_KV_CACHE_BYTES
+    share = kv_cache_share(cfg, llm.device, llm.attached.manifest.arena.size, e.max_num_batched_tokens,
+                           opts.workers, opts.spares, e.gpu_memory_utilization)
     # More than every sequence at full length is never used (and a small model would get millions of blocks).
     useful = e.max_num_seqs * cfg.max_position_embeddings * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
     return min(share, useful)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """An API listening socket. TCP_NODELAY is inherited by accepted connections: without
-    it, every keep-alive request after the first waits ~40 ms on Nagle's algorithm."""
-    sock = socket.create_server((host, port), backlog=1024)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -100,38 +80,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-class DaemonLink:
-    """A supervised worker's side of the daemon: reports, and the pipe on which the
-    daemon says which slot to serve (a spare waits there, warm, until one falls vacant)."""
-
-    def __init__(self, state_dir: Path, go_fd: int, on_slot: Callable[[int], None]):
-        self.state_dir, self.go_fd, self.on_slot = state_dir, go_fd, on_slot
-
-    def report(self, op: str, **fields) -> None:
-        from preload.ipc.client import DaemonClient
-
-        with DaemonClient(self.state_dir) as client:
-            client.request(op, **fields)
-
-    def wait_for_slot(self) -> int | None:
-        """Block until the daemon gives us a slot; None if it went away first."""
-        with os.fdopen(self.go_fd, "rb") as go:
-            line = go.readline()
-        if not line:
-            return None
-        slot = int(line)
-        self.on_slot(slot)
-        return slot
-
-
 def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None) -> None:
     """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
-    until warm). Supervised (the daemon's shared socket and a DaemonLink) it warms up and
+    until warm). Supervised (the daemon's shared socket and a link) it warms up and
     builds its HTTP app first, waits for its slot, and only then allocates its KV cache
     and accepts: meanwhile clients wait in the backlog, or are taken by ready workers."""
+    w = opts.worker
     state = WorkerState()
-    llm = LLM(opts.model, state_dir=opts.state_dir, engine=replace(opts.engine, kv_cache_memory=WARM_UP_KV_BYTES))
-    name = opts.served_model_name or Path(llm.attached.manifest["model"]).name
+    engine: AsyncEngine | None = None
+    if link is not None:  # beats from now on: a worker stuck before its engine runs is seen too
+        link.beat(lambda: engine.progress() if engine else (0, False))
+    llm = LLM(opts.model, state_dir=opts.state_dir, engine=replace(w.engine, kv_cache_memory=WARM_UP_KV_BYTES))
+    name = w.served_model_name or Path(llm.attached.manifest.model).name
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
     async def warm_up() -> None:
@@ -143,26 +103,25 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     async def lifespan(_app):
         engine.start(asyncio.get_running_loop())
         if link is not None:
-            kv = llm.engine.config.kv_cache_memory
-            await asyncio.get_running_loop().run_in_executor(None, lambda: link.report("worker_ready", kv_cache_bytes=kv))
+            link.report("ready", kv_cache_bytes=llm.engine.config.kv_cache_memory)
         warming = None if link else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
         yield
         if warming:
             warming.cancel()
 
-    app = create_app(engine, llm.tokenizer, name, state, opts.trust_request_chat_template, lifespan)
-    config = uvicorn.Config(BodyLimit(app, opts.max_request_bytes), log_level="warning", access_log=False,
+    app = create_app(engine, llm.tokenizer, name, state, w.trust_request_chat_template, lifespan)
+    config = uvicorn.Config(BodyLimit(app, w.max_request_bytes), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
     config.load()  # before the slot: a spare's take-over is then only what follows
-    server = DrainingServer(config, state, engine, opts.drain_timeout, shared_socket=link is not None)
+    server = DrainingServer(config, state, engine, w.drain_timeout, shared_socket=link is not None)
     if link is not None:
         llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
-        link.report("worker_warm")
+        link.report("warm")
         if link.wait_for_slot() is None:
-            log.info("the daemon went away before giving this spare a slot")
+            log.info("the daemon went away before giving this worker a slot")
             llm.close()
             return
-    llm.start_engine(replace(opts.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
+    llm.start_engine(replace(w.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
     engine.use(llm.engine)
     log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
     if link is not None:
@@ -183,34 +142,29 @@ def mark_ready(state: WorkerState) -> None:
     log.info("ready in %.3f s", time.monotonic() - state.started)
 
 
-def serve_from_spec(spec: dict, sock: socket.socket, go_fd: int) -> int:
-    """Run a supervised worker: options as the daemon wrote them, the daemon's
-    listening socket, and the pipe on which the daemon assigns the worker its slot."""
-    opts = ServeOptions(**{k: v for k, v in spec.items() if k not in ("engine", "slot")}, engine=EngineConfig(**spec["engine"]))
-    opts.state_dir = Path(opts.state_dir)
-    forked_for = spec.get("slot")  # None: a spare
+def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.socket, link_fd: int) -> int:
+    """Run a worker for the daemon: its options, the slot it was forked for (None: a
+    spare), the daemon's listening socket and the worker's link to the daemon."""
     log_format(f"spare-{os.getpid()}" if forked_for is None else f"worker-{forked_for}")
 
     def on_slot(slot: int) -> None:
         if slot == forked_for:
             return
         # A spare promoted: from here on this is worker `slot`, and its log is that slot's log.
-        fd = os.open(opts.state_dir / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(Path(opts.state_dir) / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
         log_format(f"worker-{slot}")
         log.info("serving slot %d (pid %d)", slot, os.getpid())
 
-    serve(opts, sock, DaemonLink(opts.state_dir, go_fd, on_slot))
+    link = DaemonLink(link_fd, on_slot)
+    try:
+        serve(opts, sock, link)
+    finally:
+        link.close()
     return 0
 
 
 def log_format(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s", force=True)
-
-
-def spec_of(opts: ServeOptions) -> dict:
-    """ServeOptions as JSON for the zygote (no pickle crosses a process boundary)."""
-    spec = asdict(opts) | {"state_dir": str(opts.state_dir), "model": str(opts.model) if opts.model else None}
-    return spec

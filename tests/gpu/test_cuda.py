@@ -14,7 +14,8 @@ import torch
 from checkpoints import CASES, make_hf_model, save_hf_model
 
 from preload import BUNDLED_MODEL, LLM
-from preload.ipc.arena import create_arena, map_arena, pack
+from preload.ipc.arena import create_arena, map_arena
+from preload.ipc.layout import pack
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +65,8 @@ def test_vmm_arena_is_shared_read_only(tmp_path):
     # A second process imports the fd read-only and sees the data; its write faults in it alone.
     script = textwrap.dedent(f"""
         import os, sys, torch
-        from preload.ipc.arena import map_arena, TensorEntry, tensor_views
+        from preload.ipc.arena import map_arena
+        from preload.ipc.layout import TensorEntry, tensor_views
         m = map_arena({arena.info()!r}, [int(sys.argv[1])])
         w = tensor_views(m.base, [TensorEntry("w", "float32", (1024,), 0, 4096)])["w"]
         assert torch.equal(w.cpu(), torch.arange(1024, dtype=torch.float32)), "data differs"
@@ -212,9 +214,9 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
     import time
     import urllib.request
 
-    from preload.worker.config import ModelConfig
-    from preload.worker.engine import EngineConfig
-    from preload.worker.kv_cache import worker_reserve
+    from preload.checkpoint.config import ModelConfig
+    from preload.options import EngineOptions
+    from preload.worker.model.kv_cache import worker_reserve
 
     def used_mib() -> int:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
@@ -249,7 +251,7 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
         s = status()
         weights = s["bytes_per_device"]["cuda:0"]
         total = torch.cuda.mem_get_info(0)[1]
-        reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), EngineConfig().max_num_batched_tokens)
+        reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), EngineOptions().max_num_batched_tokens)
         expected = (utilization * total - weights - 3 * reserve) / 2
         kv = [w["kv_cache_bytes"] for w in s["workers"]]
         assert kv[0] == kv[1] and abs(kv[0] - expected) < 0.01 * expected, (kv, expected)

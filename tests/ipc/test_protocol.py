@@ -130,7 +130,7 @@ def still_serves_fds(daemon) -> None:
         handle, fds = client.arena_fds()
     for fd in fds:
         os.close(fd)
-    assert handle["transport"] == "memfd" and len(fds) == 1
+    assert handle.transport == "memfd" and len(fds) == 1
 
 
 FD_BAD_MESSAGES = {

@@ -11,13 +11,14 @@ import time
 import httpx
 import pytest
 
-from preload.preloadd.health import DaemonMetrics, HttpServer, bind, make_app
+from preload.ipc.sockets import listen
+from preload.preloadd.health import DaemonMetrics, HttpServer, make_app
 
 
 @pytest.fixture
 def server():
     state = {"state": "loading", "progress": {"done_bytes": 300, "total_bytes": 1200, "fraction": 0.25}}
-    sock = bind("127.0.0.1", 0)
+    sock = listen("127.0.0.1", 0)
     http = HttpServer(make_app(lambda: dict(state), DaemonMetrics()), sock)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
@@ -56,4 +57,4 @@ def test_a_taken_port_is_an_error_naming_it():
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
-            bind("127.0.0.1", port)
+            listen("127.0.0.1", port)

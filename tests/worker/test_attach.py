@@ -26,7 +26,7 @@ from daemons import running_daemon, wait_for
 from safetensors.torch import load_file
 
 from preload import LLM, attach
-from preload.ipc.arena import MEMFD_SEALS
+from preload.ipc.memfd import MEMFD_SEALS
 from preload.ipc.client import DaemonClient
 
 QUANTS = ("none", "fp8_per_tensor", "fp8_block")
@@ -151,7 +151,7 @@ def test_attach_and_close_register_and_release_this_process(daemons):
     attaches = d.metrics()["preload_attaches_total"]
     with attach(d.state_dir) as weights:
         assert weights.fingerprint == d.status()["fingerprint"]
-        assert weights.manifest["quant"] == "none"
+        assert weights.manifest.quant == "none"
         assert os.getpid() in d.status()["attached_workers"]
         assert d.metrics()["preload_attaches_total"] == attaches + 1
     assert os.getpid() not in d.status()["attached_workers"]
@@ -235,8 +235,8 @@ def test_the_arena_is_sealed_against_writes_and_resizing(daemons):
     with DaemonClient(d.state_dir) as client:
         handle, fds = client.arena_fds()
     try:
-        assert handle["transport"] == "memfd" and len(fds) == 1
-        fd, size = fds[0], handle["size"]
+        assert handle.transport == "memfd" and len(fds) == 1
+        fd, size = fds[0], handle.size
         assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & MEMFD_SEALS == MEMFD_SEALS
         with pytest.raises(PermissionError):
             os.pwrite(fd, b"\0", 0)

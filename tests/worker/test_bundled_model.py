@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from preload import BUNDLED_MODEL, LLM
-from preload.worker.checkpoint import load_checkpoint
-from preload.worker.config import ModelConfig
-from preload.worker.model import Transformer
+from preload.checkpoint.reader import load_checkpoint
+from preload.checkpoint.config import ModelConfig
+from preload.worker.model.deepseek import Transformer
 
 HELDOUT = Path(__file__).parents[1] / "data" / "heldout.txt"
 WINDOW = 256
@@ -75,9 +75,9 @@ def test_greedy_text_is_plausible_python(llm):
 
 
 def test_fp8_kv_cache_keeps_perplexity(llm, windows):
-    from preload.worker.engine import EngineConfig
+    from preload.options import EngineOptions
 
-    fp8 = LLM(BUNDLED_MODEL, dtype="float32", engine=EngineConfig(kv_cache_dtype="fp8"))
+    fp8 = LLM(BUNDLED_MODEL, dtype="float32", engine=EngineOptions(kv_cache_dtype="fp8"))
 
     def perplexity(model):
         results = model.generate(windows, max_tokens=1, prompt_logprobs=True)

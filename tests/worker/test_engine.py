@@ -5,7 +5,8 @@ import torch
 from checkpoints import CASES, VOCAB, make_hf_model, save_hf_model
 
 from preload import LLM
-from preload.worker.engine import EngineConfig, RequestError
+from preload.options import EngineOptions
+from preload.worker.engine.engine import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,14 @@ def assert_same(results, reference, atol=1e-5):
 
 
 def test_chunked_prefill_matches(model_dir, reference):
-    llm = LLM(model_dir, dtype="float32", engine=EngineConfig(max_num_batched_tokens=7))
+    llm = LLM(model_dir, dtype="float32", engine=EngineOptions(max_num_batched_tokens=7))
     assert_same(llm.generate(prompts(12), max_tokens=20, logprobs=True, prompt_logprobs=True), reference)
 
 
 def test_preemption_under_tiny_cache_keeps_outputs(model_dir, reference):
     # 24 blocks of 4 slots: room for one sequence of up to 80 tokens, not for 12 at once.
     bytes_per_token = 3 * (16 + 8) * 4
-    config = EngineConfig(kv_cache_memory=24 * 4 * bytes_per_token, block_size=4, max_num_batched_tokens=16)
+    config = EngineOptions(kv_cache_memory=24 * 4 * bytes_per_token, block_size=4, max_num_batched_tokens=16)
     llm = LLM(model_dir, dtype="float32", engine=config)
     results = llm.generate(prompts(12), max_tokens=20, logprobs=True, prompt_logprobs=True)
     assert llm.engine.scheduler.preemptions > 0
@@ -54,20 +55,20 @@ def test_preemption_under_tiny_cache_keeps_outputs(model_dir, reference):
 
 
 def test_request_too_long_for_cache_is_refused(model_dir):
-    llm = LLM(model_dir, dtype="float32", engine=EngineConfig(kv_cache_memory=4 * 4 * 3 * 24 * 4, block_size=4))
+    llm = LLM(model_dir, dtype="float32", engine=EngineOptions(kv_cache_memory=4 * 4 * 3 * 24 * 4, block_size=4))
     with pytest.raises(RequestError, match="context length"):
         llm.generate([[5] * 10], max_tokens=10)
 
 
 def test_max_num_seqs_bounds_concurrency(model_dir, reference):
-    llm = LLM(model_dir, dtype="float32", engine=EngineConfig(max_num_seqs=3))
+    llm = LLM(model_dir, dtype="float32", engine=EngineOptions(max_num_seqs=3))
     assert_same(llm.generate(prompts(12), max_tokens=20, logprobs=True, prompt_logprobs=True), reference)
 
 
 def test_fp8_kv_cache_stores_e4m3_latents(model_dir, reference):
     # Quality is measured on the trained bundled model (test_bundled_model.py); random
     # weights only show that the path runs and really stores e4m3.
-    llm = LLM(model_dir, dtype="float32", engine=EngineConfig(kv_cache_dtype="fp8"))
+    llm = LLM(model_dir, dtype="float32", engine=EngineOptions(kv_cache_dtype="fp8"))
     assert llm.engine.cache.c_kv[0].dtype == torch.float8_e4m3fn
     results = llm.generate(prompts(12), max_tokens=20, prompt_logprobs=True)
     assert all(torch.isfinite(torch.tensor(r.prompt_logprobs[1:])).all() for r in results)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from preload.worker.sampler import SamplingParams, sample, top_p_filter
+from preload.worker.engine.sampler import SamplingParams, sample, top_p_filter
 
 
 def test_top_p_keeps_smallest_set_reaching_mass():

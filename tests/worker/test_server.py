@@ -31,9 +31,9 @@ from openai import OpenAI
 from workers import chat_model, running_workers, spawn_worker, sse_data, stop_worker
 
 from preload import BUNDLED_MODEL, LLM
-from preload.worker.config import ModelConfig
-from preload.worker.kv_cache import bytes_per_token
-from preload.worker.tokenizer import Tokenizer
+from preload.checkpoint.config import ModelConfig
+from preload.worker.model.kv_cache import bytes_per_token
+from preload.checkpoint.tokenizer import Tokenizer
 
 SMALL_BLOCKS, SMALL_BLOCK_SIZE = 24, 4
 SERVED_NAME = "tiny-served"

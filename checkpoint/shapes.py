@@ -6,7 +6,7 @@ so the loader can check a checkpoint before trusting it and the trainer can crea
 
 from __future__ import annotations
 
-from preload.worker.config import ModelConfig
+from preload.checkpoint.config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
 

@@ -9,7 +9,7 @@ from enum import Enum
 
 import torch
 
-from preload.worker.sampler import SamplingParams
+from preload.worker.engine.sampler import SamplingParams
 
 _ids = itertools.count()
 

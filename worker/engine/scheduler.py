@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from preload.worker.block_manager import BlockManager
-from preload.worker.sequence import Sequence, Status
+from preload.worker.engine.block_manager import BlockManager
+from preload.worker.engine.sequence import Sequence, Status
 
 
 class Scheduler:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from preload.worker.sampler import SamplingParams
+from preload.worker.engine.sampler import SamplingParams
 
 MAX_TOKENS_LIMIT = 1 << 20
 

@@ -15,8 +15,9 @@ from safetensors import SafetensorError, safe_open
 
 from preload.kernels.fp8 import FP8
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
-from preload.worker.config import ModelConfig
-from preload.worker.layout import checkpoint_shapes, mtp_shapes
+from preload.options import DTYPES
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 
 
 class CheckpointError(ValueError):
@@ -152,3 +153,17 @@ def load_checkpoint(
         scale = None if src.scale_inv is None else src.scale_inv.to(device)
         weights |= quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
     return weights
+
+
+def resolve_dtype(dtype: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    """Explicit dtype wins; otherwise bf16 on GPUs and the checkpoint's own dtype on CPU."""
+    name = dtype or ("bfloat16" if device.type == "cuda" else cfg.torch_dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; choose one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

@@ -6,7 +6,7 @@ from collections import deque
 
 import torch
 
-from preload.worker.sequence import Sequence
+from preload.worker.engine.sequence import Sequence
 
 
 class BlockManager:

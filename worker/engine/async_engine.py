@@ -13,8 +13,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from preload.worker.engine import Engine
-from preload.worker.sequence import Sequence
+from preload.worker.engine.engine import Engine
+from preload.worker.engine.sequence import Sequence
 
 log = logging.getLogger("preload.worker")
 
@@ -54,6 +54,12 @@ class AsyncEngine:
 
     def in_flight(self) -> int:
         return len(self._waiters)
+
+    def progress(self) -> tuple[int, bool]:
+        """(steps run so far, whether requests are waiting on the engine): a supervisor
+        that sees the second stay true while the first stands still knows it hangs.
+        Safe to call from any thread."""
+        return self.steps, bool(self._waiters)
 
     async def generate(self, seq: Sequence) -> AsyncIterator[Sequence]:
         """Yield `seq` each time it gains tokens, until it finishes. Closing the

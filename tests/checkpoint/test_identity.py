@@ -16,9 +16,9 @@ import pytest
 import torch
 from daemons import running_daemon
 
-import preload.ipc.identity as identity
+import preload.checkpoint.identity as identity
 from preload import LLM
-from preload.ipc.identity import IdentityError, verify_checkpoint
+from preload.checkpoint.identity import IdentityError, verify_checkpoint
 from preload.preloadd.loader import Progress, load
 
 CHANGED = "model.layers.1.mlp.experts.5.down_proj.weight"
@@ -139,7 +139,7 @@ def fingerprint_of(model: Path, quant: str = "none") -> tuple[str, dict]:
     """What the daemon would serve for `model`: loaded in-process with the daemon's loader."""
     loaded = load(model, quant, torch.float32, torch.device("cpu"), "memfd", Progress())
     loaded.arena.close()
-    return loaded.manifest["fingerprint"], loaded.manifest["record"]
+    return loaded.manifest.fingerprint, loaded.manifest.record
 
 
 def test_the_fingerprint_is_the_bytes_the_config_and_the_settings(daemon, tiny_checkpoint, tmp_path):

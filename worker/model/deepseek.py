@@ -19,9 +19,9 @@ from preload.kernels.moe import moe_experts, route_sigmoid, route_softmax, swigl
 from preload.kernels.norm import rms_norm
 from preload.kernels.quant import BLOCK, Weight, dense, linear, linear_weight
 from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
-from preload.worker.config import ModelConfig
-from preload.worker.kv_cache import AttentionMeta, LatentCache
-from preload.worker.layout import checkpoint_shapes, mtp_layer_index
+from preload.checkpoint.config import ModelConfig
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache
+from preload.checkpoint.shapes import checkpoint_shapes, mtp_layer_index
 
 Weights = Mapping[str, torch.Tensor]
 

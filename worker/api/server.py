@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from preload.worker.async_engine import AsyncEngine, EngineDead
-from preload.worker.chat_template import ChatTemplateError, render_chat
-from preload.worker.engine import RequestError
-from preload.worker.openai_protocol import ChatRequest, CompletionRequest, error_body
-from preload.worker.sequence import Sequence
-from preload.worker.tokenizer import Tokenizer
+from preload.worker.engine.async_engine import AsyncEngine, EngineDead
+from preload.worker.api.chat_template import ChatTemplateError, render_chat
+from preload.worker.engine.engine import RequestError
+from preload.worker.api.protocol import ChatRequest, CompletionRequest, error_body
+from preload.worker.engine.sequence import Sequence
+from preload.checkpoint.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
 

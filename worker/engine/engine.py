@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from preload.worker.block_manager import BlockManager
-from preload.worker.kv_cache import AttentionMeta, LatentCache, bytes_per_token
-from preload.worker.model import Transformer
-from preload.worker.scheduler import Scheduler
-from preload.worker.sampler import sample
-from preload.worker.sequence import Sequence
-from preload.worker.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    kv_cache_memory: int | None = 512 << 20  # bytes of latent cache; None: a worker sizes it (serve.kv_cache_bytes)
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+from preload.worker.engine.block_manager import BlockManager
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
+from preload.worker.model.deepseek import Transformer
+from preload.worker.engine.scheduler import Scheduler
+from preload.worker.engine.sampler import sample
+from preload.worker.engine.sequence import Sequence
+from preload.checkpoint.tokenizer import Tokenizer
+from preload.options import EngineOptions
 
 
 class RequestError(ValueError):
@@ -29,12 +19,14 @@ class RequestError(ValueError):
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig, device: torch.device):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device):
+        """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
+        the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default)."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
         if config.kv_cache_memory is None:
-            raise ValueError("kv_cache_memory is None (auto): the serving worker sizes it; give a number of bytes here")
+            raise ValueError("kv_cache_memory is None (auto): resolve it to a number of bytes first")
         per_block = config.block_size * bytes_per_token(cfg, cfg.num_layers, dtype, config.kv_cache_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from preload.kernels.fp8 import FP8, FP8_MAX
-from preload.worker.config import ModelConfig
+from preload.checkpoint.config import ModelConfig
 
 
 def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from preload.worker.checkpoint import CheckpointError, iter_checkpoint
-from preload.worker.config import ModelConfig
-from preload.worker.tokenizer import TOKENIZER_FILES
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.reader import CheckpointError, iter_checkpoint
+from preload.checkpoint.tokenizer import TOKENIZER_FILES
 
 AUX_FILES = ("config.json", *TOKENIZER_FILES)
 
@@ -57,32 +58,56 @@ def fingerprint(aux: dict[str, str], tensors: dict[str, str], settings: dict) ->
     return hashlib.sha256(record.encode()).hexdigest()
 
 
-def checkpoint_record(model_dir: Path, digests: dict[str, str], sources: dict[str, Path]) -> dict:
-    """The identity record kept in the manifest: per file, its identity and the
-    digests of the tensors read from it."""
-    files: dict[str, dict] = {}
+@dataclass(frozen=True)
+class FileRecord:
+    identity: tuple[int, ...]  # (st_dev, st_ino, st_size, st_mtime_ns) when it was read
+    tensors: dict[str, str]  # name -> digest of the tensors read from this file
+
+
+@dataclass(frozen=True)
+class Record:
+    """The identity record kept in the manifest: digests of the config and tokenizer
+    files, and per checkpoint file (by path relative to the checkpoint) its record."""
+
+    aux: dict[str, str]
+    files: dict[str, FileRecord]
+
+    def to_wire(self) -> dict:
+        return {"aux": self.aux, "files": {rel: {"identity": list(f.identity), "tensors": f.tensors}
+                                           for rel, f in self.files.items()}}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Record:
+        files = {rel: FileRecord(tuple(int(x) for x in f["identity"]), dict(f["tensors"])) for rel, f in d["files"].items()}
+        return cls(dict(d["aux"]), files)
+
+
+def checkpoint_record(model_dir: Path, digests: dict[str, str], sources: dict[str, Path]) -> Record:
+    """The record of a checkpoint as loaded: `digests` and `sources` give each tensor's
+    digest and the file it came from."""
+    files: dict[str, FileRecord] = {}
     for name, path in sources.items():
         rel = str(path.relative_to(model_dir))
-        entry = files.setdefault(rel, {"identity": file_identity(path), "tensors": {}})
-        entry["tensors"][name] = digests[name]
-    return {"aux": aux_digests(model_dir), "files": files}
+        entry = files.setdefault(rel, FileRecord(tuple(file_identity(path)), {}))
+        entry.tensors[name] = digests[name]
+    return Record(aux_digests(model_dir), files)
 
 
-def verify_checkpoint(model_dir: str | Path, record: dict) -> None:
+def verify_checkpoint(model_dir: str | Path, record: Record) -> None:
     """Raise IdentityError, naming what differs, unless `model_dir` holds exactly the
     checkpoint described by `record`."""
     model_dir = Path(model_dir).resolve()
     aux = aux_digests(model_dir)
-    for name in sorted(set(aux) | set(record["aux"])):
-        if aux.get(name) != record["aux"].get(name):
+    for name in sorted(set(aux) | set(record.aux)):
+        if aux.get(name) != record.aux.get(name):
             raise IdentityError(f"{model_dir / name} differs from the daemon's copy")
     stale = {}
-    for rel, entry in record["files"].items():
+    for rel, entry in record.files.items():
         path = model_dir / rel
         if not path.exists():
             raise IdentityError(f"{path}: missing; the daemon loaded a checkpoint with this file")
-        if file_identity(path) != entry["identity"]:
-            stale |= entry["tensors"]
+        if tuple(file_identity(path)) != entry.identity:
+            stale |= entry.tensors
     if not stale:
         return
     cfg = ModelConfig.from_dir(model_dir)

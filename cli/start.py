@@ -1,0 +1,120 @@
+"""`preload start`: load a checkpoint once and keep it resident, then return once ready.
+
+Without --foreground the daemon is a detached process (its own session) that reports
+its progress and its ready (or error) line back through a pipe; `preload start` exits 0
+once it is ready, or non-zero with the daemon's error on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from preload.cli.options import build, options_of
+from preload.options import DaemonOptions, from_json, to_json
+
+log = logging.getLogger("preload.daemon")
+
+
+@click.command()
+@options_of(DaemonOptions)
+@click.option("--foreground", is_flag=True, help="Run in this process instead of returning once ready.")
+def start(foreground, **params):
+    """Load a checkpoint once and keep its weights resident for workers to attach."""
+    options = build(DaemonOptions, params)
+    sys.exit(run_daemon(options) if foreground else _start_in_background(options))
+
+
+def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
+    from preload.preloadd.daemon import Daemon
+
+    notify = _notifier(notify_fd)
+    os.umask(0o077)  # sockets, logs and lock: owner only
+    try:
+        options.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)
+        Daemon(options).run(notify)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one line for the operator; the traceback goes to the log
+        log.error("start failed: %s", e, exc_info=True)
+        message = f"preload: {e}"
+        notify({"error": message})
+        if notify_fd is None:
+            click.echo(message, err=True)
+        return 1
+
+
+def _log_to(path: Path, to_stderr: bool) -> None:
+    handlers: list[logging.Handler] = [logging.FileHandler(path)]
+    if to_stderr:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=handlers, force=True)
+
+
+def _notifier(fd: int | None):
+    """Progress and the final ready/error line go to the parent `preload start`, if any."""
+    if fd is None:
+        return lambda msg: None
+    pipe = os.fdopen(fd, "w", buffering=1)
+
+    def notify(msg: dict) -> None:
+        try:
+            pipe.write(json.dumps(msg) + "\n")
+        except BrokenPipeError:
+            pass  # the parent gave up waiting; keep serving
+
+    return notify
+
+
+def _start_in_background(options: DaemonOptions) -> int:
+    state_dir = options.state_dir
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = state_dir / "daemon.log"
+    read_fd, write_fd = os.pipe()
+    # The options travel as JSON; --state-dir is repeated only so that `ps` shows whose daemon this is.
+    cmd = [sys.executable, "-m", "preload.cli.start", str(write_fd), "--state-dir", str(state_dir),
+           json.dumps(to_json(options))]
+    # The daemon's own stderr goes to its log, so that even a crash at import is on record.
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+        proc = subprocess.Popen(
+            cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
+    os.close(write_fd)
+    bar = None
+    with os.fdopen(read_fd) as pipe:
+        for line in pipe:
+            msg = json.loads(line)
+            if "progress" in msg and sys.stderr.isatty():
+                if bar is None:
+                    from tqdm import tqdm
+
+                    bar = tqdm(total=msg["total"], unit="B", unit_scale=True, desc="loading", file=sys.stderr)
+                bar.update(msg["progress"] - bar.n)
+            elif "ready" in msg:
+                if bar:
+                    bar.close()
+                workers = f", {msg['workers']} workers on port {msg['port']}" if msg.get("workers") else ""
+                click.echo(f"preload daemon ready (pid {msg['pid']}) in {msg['seconds']:.2f} s on {state_dir}{workers}")
+                return 0
+            elif "error" in msg:
+                if bar:
+                    bar.close()
+                click.echo(msg["error"], err=True)
+                proc.wait()
+                return 1
+    code = proc.wait()
+    click.echo(f"preload: the daemon exited with status {code} before it was ready; see {log_path}", err=True)
+    return 1
+
+
+if __name__ == "__main__":
+    # The detached daemon of `preload start`: argv is the notify fd, --state-dir DIR, the options as JSON.
+    sys.exit(run_daemon(from_json(DaemonOptions, json.loads(sys.argv[4])), int(sys.argv[1])))

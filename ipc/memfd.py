@@ -1,0 +1,92 @@
+"""Host-memory arenas: an anonymous memfd, written once, sealed, mapped read-only.
+
+The seals (no writes, no growing or shrinking, no new seals) bind every process, the
+daemon included; a worker refuses a memfd that is not sealed. A private copy-on-write
+map is still possible, but its writes stay in the process that made them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+
+import torch
+
+from preload.ipc.layout import ArenaError, TensorEntry, check_planned
+from preload.ipc.manifest import ArenaInfo
+
+MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class MemfdArena:
+    """Daemon side of a host-memory arena: an anonymous memfd, written with pwrite,
+    then sealed so that no process (the daemon included) can change or resize it."""
+
+    transport = "memfd"
+
+    def __init__(self, size: int, label: str = "preload-arena"):
+        self.size = size
+        self.fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        check_planned(entry, tensor)
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], entry.offset + done)
+
+    def seal(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
+
+    def info(self) -> ArenaInfo:
+        """What goes into the manifest; the fd itself travels over SCM_RIGHTS."""
+        return ArenaInfo(self.transport, self.size)
+
+    def fds(self) -> list[int]:
+        return [self.fd]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+
+
+class MappedArena:
+    """Worker side: the arena mapped read-only, as one flat uint8 tensor."""
+
+    def __init__(self, info: ArenaInfo, fds: list[int]):
+        if info.transport != "memfd" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ArenaError(f"cannot map arena {info!r} with {len(fds)} fds")
+        self.size = info.size
+        self.fd = fds[0]
+        try:
+            seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
+            if seals & MEMFD_SEALS != MEMFD_SEALS:
+                raise ArenaError("arena memfd is not sealed; refusing to trust it")
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        with warnings.catch_warnings():
+            # The buffer is read-only on purpose: a write faults instead of touching the weights.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.base = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        # Views may outlive us; the mapping goes away when the last one is freed.
+        self.base = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

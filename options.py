@@ -1,0 +1,193 @@
+"""Every option of the daemon and its workers, defined once: name, type, default, help.
+
+The command line is generated from these dataclasses (cli/options.py), the detached
+daemon and the zygote receive them as JSON (`to_json` / `from_json`), and code reads
+the defaults from here, never from a literal of its own. This module imports nothing
+heavy (no torch), so the CLI, the daemon's first steps and tests can all use it.
+
+A field's metadata holds its help text and, where the command line differs from the
+Python value, how to show and parse it (sizes like 512MiB, "auto" for None).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+BUNDLED_MODEL = str(Path(__file__).parent / "bundled" / "tiny-v3")
+QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
+DTYPES = ("float32", "bfloat16", "float16")
+TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
+KV_CACHE_DTYPES = ("auto", "fp8")
+STATE_DIR_HELP = "Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID]."
+CPU_KV_CACHE_BYTES = 512 << 20  # what --kv-cache-memory auto means on CPU, and for an in-process LLM
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512MiB', '2GiB', '5GB', '1048576'; ValueError otherwise."""
+    t = text.strip().lower()
+    number = t.rstrip("kmgib")
+    if not number or t[len(number):] not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size like 512MiB or 2GiB")
+    value = int(float(number) * _SIZE_UNITS[t[len(number):]])
+    if value < 0:
+        raise ValueError(f"{text!r} is negative")
+    return value
+
+
+def show_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_auto_size(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
+def option(default: Any = MISSING, help: str = "", *, choices: tuple | None = None, bounds: tuple | None = None,
+           parse=None, show=None, cli: bool = True, flag: str | None = None, default_factory: Any = MISSING):
+    """A dataclass field with what the command line needs to offer it.
+
+    choices: allowed values; bounds: (min, max) of a number, either may be None;
+    parse / show: the command line's text -> value and value -> text, when the value
+    is not what is typed (sizes, "auto"); cli=False keeps a field off the command line;
+    flag: the option's name when it is not --field-name (booleans: "--x/--no-x")."""
+    meta = {"help": help, "choices": choices, "bounds": bounds, "parse": parse, "show": show, "cli": cli, "flag": flag}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine of one worker: its KV cache and how it batches."""
+
+    kv_cache_memory: int | None = option(
+        None, "Bytes of latent KV cache per worker; auto: on a GPU, each worker's share of what the weights leave"
+        " within --gpu-memory-utilization, 512MiB on CPU.", parse=parse_auto_size,
+        show=lambda v: "auto" if v is None else show_size(v))
+    gpu_memory_utilization: float = option(
+        0.9, "Fraction of the GPU that weights, workers and their KV caches may use (auto KV cache).",
+        bounds=(0.05, 1.0))
+    kv_cache_dtype: str = option("auto", "auto: the model's dtype; fp8: e4m3 with a scale per cached vector.",
+                                 choices=KV_CACHE_DTYPES)
+    block_size: int = option(16, "Tokens per KV cache block.", bounds=(1, 1024))
+    max_num_seqs: int = option(256, "Sequences in the running batch at most.", bounds=(1, None))
+    max_num_batched_tokens: int = option(2048, "Tokens one engine step computes at most.", bounds=(1, None))
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What every engine worker runs with: its engine and its HTTP face."""
+
+    served_model_name: str | None = option(None, "Model id in the API [default: the checkpoint dir's name].")
+    drain_timeout: float = option(30.0, "Seconds to finish in-flight requests on SIGTERM.", bounds=(0, None))
+    max_request_bytes: int = option(4 << 20, "Largest request body.", parse=parse_size, show=show_size)
+    trust_request_chat_template: bool = option(
+        False, "Let requests supply chat_template / chat_template_kwargs (changes server-side rendering).")
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """One worker attached to a daemon (`preload serve`, or each worker the daemon runs)."""
+
+    state_dir: Path | None = option(None, STATE_DIR_HELP)
+    model: Path | None = option(None, "Refuse to start unless the daemon holds exactly this checkpoint.")
+    host: str = option("127.0.0.1", "API host.")
+    port: int = option(8000, "API port.", bounds=(0, 65535))
+    worker: WorkerOptions = field(default_factory=WorkerOptions)
+    # How many engines share the device's KV space (the daemon's --workers and --spare-workers).
+    workers: int = option(1, cli=False)
+    spares: int = option(0, cli=False)
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    """`preload start`: the daemon, the weights it holds, and the workers it supervises."""
+
+    model: Path | None = option(None, "Checkpoint dir [default: the bundled model].")
+    quant: str = option("none", "How the stored weights are quantized.", choices=QUANT_MODES)
+    device: str = option("auto", "auto, cpu or cuda:N.")
+    dtype: str = option("auto", "Dtype of unquantized weights: bf16 on CUDA, the checkpoint's on CPU.",
+                        choices=("auto", *DTYPES))
+    transport: str = option("auto", "How workers map the arena: memfd (host memory), cuda-vmm (GPU, read-only maps;"
+                            " the CUDA default), cuda-ipc (legacy).", choices=("auto", *TRANSPORTS))
+    state_dir: Path | None = option(None, STATE_DIR_HELP)
+    health_host: str = option("127.0.0.1", "Host of /health, /status and /metrics.")
+    health_port: int = option(8001, "Port of /health, /status and /metrics.", bounds=(0, 65535))
+    allow_uid: tuple[int, ...] = option((), "Also let this uid attach (repeatable).")
+    allow_gid: tuple[int, ...] = option((), "Also let members of this gid attach (repeatable).")
+    workers: int = option(0, "Engine workers to run and supervise (0: hold the weights only).", bounds=(0, 64))
+    spare_workers: int | None = option(
+        None, "Warm spare workers that take over a dead worker's slot at once [default: 1 on a GPU, 0 on CPU].",
+        bounds=(0, 8))
+    host: str = option("127.0.0.1", "API host of the workers.")
+    port: int = option(8000, "API port, owned by the daemon.", bounds=(0, 65535))
+    zygote: bool = option(True, "Fork workers from a zygote that has imported everything (--no-zygote: start each"
+                          " as a fresh interpreter, slower).", flag="--zygote/--no-zygote")
+    worker_start_timeout: float = option(
+        300.0, "Seconds a worker may take from its start to ready (a spare: to warm) before it is killed and replaced.",
+        bounds=(1, None))
+    worker_timeout: float = option(
+        5.0, "A started worker that sends no heartbeat for this many seconds (stopped, frozen) is killed and replaced.",
+        bounds=(1, None))
+    engine_step_timeout: float = option(
+        60.0, "A worker whose engine has work but finishes no step for this many seconds is killed and replaced.",
+        bounds=(1, None))
+    worker: WorkerOptions = field(default_factory=WorkerOptions)
+
+
+def cli_fields(cls) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """(path, field, type) of every command-line field of `cls`, nested dataclasses
+    flattened (a path is the attribute names from `cls` down to the field)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out += [((f.name, *path), sub, kind) for path, sub, kind in cli_fields(hints[f.name])]
+        elif f.metadata.get("cli", False):
+            out.append(((f.name,), f, hints[f.name]))
+    return out
+
+
+def from_paths(cls, values: dict[tuple[str, ...], Any]):
+    """An options dataclass from values keyed by `cli_fields` paths (others keep their defaults)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            kwargs[f.name] = from_paths(hints[f.name], {p[1:]: v for p, v in values.items() if p[0] == f.name})
+        elif (f.name,) in values:
+            kwargs[f.name] = values[(f.name,)]
+    return cls(**kwargs)
+
+
+def to_json(options) -> dict:
+    """A JSON-able dict of an options dataclass (paths as strings, tuples as lists)."""
+    return asdict(options, dict_factory=lambda items: {k: str(v) if isinstance(v, Path) else v for k, v in items})
+
+
+def from_json(cls, data: dict):
+    """The inverse of `to_json`; unknown keys are an error (a daemon and a zygote of
+    different code versions must not silently disagree)."""
+    hints = typing.get_type_hints(cls)
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown options {sorted(unknown)}")
+    values = {}
+    for name, value in data.items():
+        kind = hints[name]
+        if is_dataclass(kind):
+            value = from_json(kind, value)
+        elif value is not None and Path in typing.get_args(kind):
+            value = Path(value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return cls(**values)

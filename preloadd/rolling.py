@@ -1,0 +1,117 @@
+"""A rolling restart (`preload restart` without --now) as a state machine that the
+supervisor's loop advances once a turn: every slot in order, one at a time.
+
+For each slot: a replacement is forked and warms up while the old worker serves. Then,
+when the device has room for both KV caches, the replacement takes the slot first
+(go, ready) and the old worker drains afterwards; otherwise the old worker drains and
+exits first, then the replacement takes the slot. The old worker's drain is not
+waited for unless it must free memory: it has its own deadline, and the next slot
+starts at once. If the replacement fails before it takes over, the old worker keeps
+serving. Spares are retired at the start (they run the code of before); the
+supervisor's refill warms new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from preload.preloadd.workers import Worker
+
+if TYPE_CHECKING:  # the supervisor drives this machine; only its type is needed here
+    from preload.preloadd.supervisor import Supervisor
+
+log = logging.getLogger("preload.daemon")
+
+
+class RollingRestart:
+    def __init__(self, sup: Supervisor):
+        for w in sup.idle_spares():
+            sup.retire_spare(w)
+        self.todo = list(range(len(sup.slots)))
+        self.old: Worker | None = None
+        self.fresh: Worker | None = None
+        self.phase = "next"  # next -> warming -> taking_over | draining_first -> next ...
+        self.drain_timeout = sup.opts.worker.drain_timeout
+
+    def advance(self, sup: Supervisor) -> bool:
+        """Move on as far as the workers allow; True once every slot is done."""
+        while True:
+            before = self.phase
+            getattr(self, f"_{self.phase}")(sup)
+            if self.phase == "done":
+                return True
+            if self.phase == before:
+                return False  # waiting for a worker
+
+    def cancel(self, sup: Supervisor) -> None:
+        """Given up (a restart --now came): a replacement that has not taken over goes."""
+        if self.fresh is not None and self.fresh.relief and self.fresh.pid in sup.workers:
+            self.fresh.retiring = True
+            self.fresh.kill("restart cancelled")
+
+    def _alive(self, sup: Supervisor, w: Worker | None) -> bool:
+        return w is not None and w.pid in sup.workers
+
+    def _next(self, sup: Supervisor) -> None:
+        if not sup.zygote_current():
+            return  # the code changed: a new zygote is importing it
+        while self.todo:
+            slot = self.todo.pop(0)
+            self.old = sup.holder(slot)
+            if self.old is None:
+                continue  # vacant: the refill fills it, with the code of now
+            self.fresh = sup.spawn(slot)
+            self.fresh.relief = True
+            self.phase = "warming"
+            return
+        self.phase = "done"
+
+    def _warming(self, sup: Supervisor) -> None:
+        old, fresh, slot = self.old, self.fresh, self.fresh.slot
+        if not self._alive(sup, fresh):
+            log.error("replacement for worker %d did not warm up; keeping the old one", slot)
+            self.phase = "next"
+        elif not self._alive(sup, old):  # the old one died meanwhile: the replacement takes over now
+            self._hand_over(sup, drain=False)
+            sup.go(fresh)
+            self.phase = "next"
+        elif fresh.state == "standby":
+            if sup.room_for(old.kv_cache_bytes):
+                sup.go(fresh)
+                self.phase = "taking_over"
+            else:
+                log.info("no room for a second KV cache: worker %d drains before its replacement takes over", slot)
+                self._hand_over(sup, drain=True)
+                self.phase = "draining_first"
+
+    def _taking_over(self, sup: Supervisor) -> None:
+        if not self._alive(sup, self.fresh):
+            log.error("replacement for worker %d did not become ready; keeping the old one", self.fresh.slot)
+            self.phase = "next"
+        elif self.fresh.state == "ready" or not self._alive(sup, self.old):
+            self._hand_over(sup, drain=True)
+            self.phase = "next"
+
+    def _draining_first(self, sup: Supervisor) -> None:
+        if not self._alive(sup, self.old):
+            if self._alive(sup, self.fresh):
+                sup.go(self.fresh)
+            self.phase = "next"  # from here the replacement is an ordinary worker of its slot
+
+    def _hand_over(self, sup: Supervisor, drain: bool) -> None:
+        """The replacement holds the slot from now on; the old worker drains. (If the old
+        one died meanwhile, its exit is already on the slot's record.)"""
+        old, fresh = self.old, self.fresh
+        fresh.relief = False
+        info = sup.slots[fresh.slot]
+        if self._alive(sup, old):
+            info.restarts += 1
+            info.replaced("restart", old)
+            if drain:
+                sup.drain(old, self.drain_timeout)
+                info.replacement["old_signalled"] = old.stamps["signalled"]
+            else:
+                old.retiring = True
+        info.replacement["via"], info.successor = "fork", fresh
+        log.info("worker %d: pid %d takes over from pid %d", fresh.slot, fresh.pid, old.pid)

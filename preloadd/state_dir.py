@@ -1,0 +1,68 @@
+"""The daemon's state dir and its locks: one daemon per state dir, one per GPU.
+(No torch here: `preload stop` reads the lock.)"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+
+class StateDirError(RuntimeError):
+    """The state dir or a device is not ours to use."""
+
+
+def prepare_state_dir(path: Path, others_allowed: bool) -> None:
+    """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
+    may reach the sockets, not list the dir) when other uids or gids are allow-listed."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise StateDirError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+    os.chmod(path, 0o711 if others_allowed else 0o700)
+
+
+class PidLock:
+    """An flock on a file holding the owner's pid; the kernel drops it when the owner
+    dies, however it dies. `what` names the resource in the refusal."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except PermissionError:
+            raise StateDirError(f"{what} is in use by another user's preload daemon ({path})") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode().strip() or "?"
+            os.close(self.fd)
+            raise StateDirError(f"another preload daemon (pid {holder}) is running on {what}") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.ftruncate(self.fd, 0)
+        os.close(self.fd)
+
+
+def lock_holder(path: Path) -> int | None:
+    """The pid in a daemon lock file while a live daemon holds the lock, else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # nobody holds it
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode().strip()
+        return int(text) if text.isdigit() else None
+    finally:
+        os.close(fd)
+
+
+def device_lock(device: str, uuid: str) -> PidLock:
+    """One daemon per GPU, known by its UUID whatever CUDA_VISIBLE_DEVICES says."""
+    return PidLock(Path(tempfile.gettempdir()) / f"preload-gpu-{uuid}.lock", f"device {device} (GPU {uuid})")

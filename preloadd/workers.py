@@ -1,0 +1,143 @@
+"""What the supervisor knows of each worker process and each slot, and how exits read.
+
+Only the supervisor's thread changes these records; /status sees copies it publishes.
+Times are monotonic for deadlines; `stamps` holds wall-clock times (time.time()) of a
+worker's stages, published so that an operator or a benchmark can see where a restart
+went without reading logs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+STABLE_AFTER = 5.0  # a worker that lived this long was not crash-looping
+MAX_BACKOFF = 30.0
+
+
+@dataclass(eq=False)
+class Worker:
+    pid: int
+    link: socket.socket  # the daemon's end of the worker's link (worker/link.py)
+    pidfd: int  # readable once the process has exited
+    slot: int | None  # None: a spare
+    proc: subprocess.Popen | None = None  # a fresh interpreter (no zygote) is reaped through its Popen
+    # Before it is told its slot: warming -> standby. After: starting -> ready -> draining.
+    state: str = "warming"
+    told: bool = False  # given its slot
+    retiring: bool = False  # replaced on purpose: its exit is not a failure
+    relief: bool = False  # a rolling restart's replacement that does not hold its slot yet
+    since: float = field(default_factory=time.monotonic)  # forked, or told its slot
+    heard: float | None = None  # its last message
+    steps: int = 0  # engine steps, from its last beat
+    busy: bool = False  # its engine had work at its last beat
+    progress_at: float = field(default_factory=time.monotonic)  # last beat with a new step, or idle
+    kv_cache_bytes: int = 0
+    deadline: float | None = None  # draining: killed if still alive then
+    kill_reason: str | None = None  # why the supervisor killed it
+    stamps: dict[str, float] = field(default_factory=lambda: {"forked": time.time()})
+
+    @property
+    def name(self) -> str:
+        return "spare" if self.slot is None else f"worker {self.slot}"
+
+    def holds(self, slot: int) -> bool:
+        """Whether this worker is the one serving (or about to serve) `slot`."""
+        return self.slot == slot and not self.retiring and not self.relief
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self, reason: str) -> None:
+        if self.kill_reason is None:
+            self.kill_reason, self.stamps["killed"] = reason, time.time()
+        self.signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        self.link.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+@dataclass
+class Slot:
+    restarts: int = 0
+    failures: int = 0  # consecutive early exits
+    last_exit: str | None = None
+    next_start: float = 0.0  # backoff: not before this time
+    replacement: dict = field(default_factory=dict)  # stage stamps of its latest replacement
+    successor: Worker | None = None  # the worker that replacement brought in
+
+    def vacancy(self) -> str:
+        """The state of this slot while no worker holds it."""
+        if self.failures > 1:
+            return "backoff"
+        return "restarting" if self.last_exit else "starting"
+
+    def record_exit(self, worker: Worker, reason: str) -> float:
+        """Book a worker's unplanned exit; returns the delay before the next start."""
+        self.last_exit, self.restarts = reason, self.restarts + 1
+        early = time.monotonic() - worker.since < STABLE_AFTER and worker.state not in ("ready", "standby")
+        self.failures = self.failures + 1 if early else 0
+        delay = min(0.1 * 2 ** (self.failures - 1), MAX_BACKOFF) if self.failures > 1 else 0.0
+        self.next_start = time.monotonic() + delay
+        return delay
+
+    def replaced(self, cause: str, old: Worker | None, **stamps) -> None:
+        """Start the record of a replacement (its successor is added when one is chosen)."""
+        self.replacement = {"cause": cause, "old_pid": old and old.pid, "killed": old and old.stamps.get("killed"),
+                            **stamps}
+        self.successor = None
+
+    def published_replacement(self) -> dict | None:
+        if not self.replacement:
+            return None
+        out = dict(self.replacement)
+        s = self.successor
+        if s is not None:
+            out |= {"new_pid": s.pid, "forked": s.stamps.get("forked"), "slot_given": s.stamps.get("slot_given"),
+                    "ready": s.stamps.get("ready")}
+        return out
+
+
+def describe_exit(returncode: int) -> str:
+    """A process's end as `os.waitstatus_to_exitcode` or Popen give it (negative: a signal)."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+def reap(worker: Worker, block: bool = False) -> int | None:
+    """The worker's exit code once it has exited (None if it has not); reaps it."""
+    if worker.proc is not None:
+        return worker.proc.wait() if block else worker.proc.poll()
+    try:
+        pid, status = os.waitpid(worker.pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return 0  # reaped already (cannot happen to a worker we watch; never hang on it)
+    return os.waitstatus_to_exitcode(status) if pid else None
+
+
+def reap_orphans(known: set[int]) -> list[tuple[int, int]]:
+    """Reap exited children that are none of ours to watch (a worker's own children,
+    orphaned and adopted by us as the subreaper). Known pids are only peeked at
+    (WNOWAIT): their watchers reap them, the zygote through its Popen, so that its exit
+    status is its own."""
+    reaped = []
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None or info.si_pid in known:
+            return reaped
+        _, status = os.waitpid(info.si_pid, 0)
+        reaped.append((info.si_pid, os.waitstatus_to_exitcode(status)))
