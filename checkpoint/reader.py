@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 from preload.kernels.fp8 import FP8
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
 from preload.options import DTYPES
-from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 
 
 class CheckpointError(ValueError):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from preload.kernels.fp8 import FP8, dequantize_block, quantize_block
 from preload.options import QUANT_MODES
+
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 # Kept in float32 whatever the model dtype: routing decisions are sensitive to rounding.

@@ -16,8 +16,6 @@ its children, reaped here by pid, the zygote through its own Popen.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -25,38 +23,18 @@ import queue
 import selectors
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from preload.options import DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
 from preload.preloadd.rolling import RollingRestart
-from preload.preloadd.workers import MAX_BACKOFF, Slot, Worker, describe_exit, reap, reap_orphans
+from preload.preloadd.workers import Slot, Worker, become_subreaper, describe_exit, reap, reap_orphans, unregister
 
 log = logging.getLogger("preload.daemon")
 
-PR_SET_CHILD_SUBREAPER = 36
 TICK = 0.25  # seconds between turns when nothing happens: deadlines are this precise
-CODE_CHECK_INTERVAL = 2.0
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-
-
-def become_subreaper() -> None:
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-
-
-def code_version() -> str:
-    """Changes when the installed preload code changes: the zygote must then be renewed."""
-    h = hashlib.sha256()
-    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
-        if ".venv" not in path.parts and "tests" not in path.parts:
-            st = path.stat()
-            h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
 
 
 class Supervisor:
@@ -73,14 +51,7 @@ class Supervisor:
         self.workers: dict[int, Worker] = {}  # by pid
         self.slots = [Slot() for _ in range(opts.workers)]
         self.spare_pool = Slot()  # restarts and backoff of the spares
-        self.zygote: zyg.Zygote | None = None  # ready to fork
-        self.pending: zyg.Zygote | None = None  # importing
-        self.retired: list[zyg.Zygote] = []  # told to exit, not reaped yet
-        self.zygote_restarts = 0
-        self.zygote_error: str | None = None  # the first zygote died: no worker can ever start
-        self._had_zygote = False
-        self._zygote_failures = 0
-        self._zygote_next = 0.0  # backoff after a zygote died before it was ready
+        self.zygotes = zyg.Zygotes(self.spec, listen.fileno()) if opts.zygote else None
         self.rolling: RollingRestart | None = None
         self._restart_queued = False
         self._stopping: float | None = None  # the stop's deadline
@@ -88,7 +59,6 @@ class Supervisor:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
-        self._code_checked = time.monotonic()
         self._snapshot: dict = {"workers": [], "spares": [], "zygote_restarts": 0}
         self._published = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
@@ -99,8 +69,8 @@ class Supervisor:
         """Launch the zygote now: its imports then overlap whatever the daemon does before
         `start` (loading the weights)."""
         become_subreaper()
-        if self.opts.zygote:
-            self._start_zygote()
+        if self.zygotes:
+            self.zygotes.start(self._sel)
 
     def start(self) -> None:
         self._publish()
@@ -139,7 +109,10 @@ class Supervisor:
 
     def _request(self, item: tuple) -> None:
         self._requests.put(item)
-        os.write(self._wake_w, b"x")
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # stopped (the pipe is closed), or a wake-up is pending already (the pipe is full)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -164,7 +137,8 @@ class Supervisor:
         self._check_liveness()
         try:
             self._advance_restart()
-            self._check_zygote()
+            if self.zygotes:
+                self.zygotes.check(self._sel)
             self._refill()
         except (OSError, RuntimeError) as e:
             log.error("cannot start a worker: %s", e)
@@ -199,30 +173,28 @@ class Supervisor:
                 self._restart_queued = True  # after this one: it replaces what this one started
 
     def _known_pids(self) -> set[int]:
-        zygotes = [z for z in (self.zygote, self.pending, *self.retired) if z is not None]
-        return set(self.workers) | {z.pid for z in zygotes}
+        return set(self.workers) | (self.zygotes.pids() if self.zygotes else set())
 
     # ---- workers: start, tell, hear, reap -----------------------------------------------------
 
     def spawn(self, slot: int | None) -> Worker:
         """Fork a worker for `slot` (it waits for its go all the same) or a spare."""
         proc = None
-        if self.opts.zygote:
-            if self.zygote is None:
-                raise RuntimeError("no zygote is ready")
-            try:
-                pid, link = self.zygote.fork(slot)
-            except RuntimeError:
-                self._zygote_gone(self.zygote, kill=True)
-                raise
+        if self.zygotes:
+            pid, link = self.zygotes.fork(slot)
         else:
             proc, link = zyg.spawn_fresh(self.spec, slot, self.listen.fileno())
             pid = proc.pid
-        link.setblocking(False)
-        worker = self.workers[pid] = Worker(pid, link, os.pidfd_open(pid), slot, proc)
+        worker = self.adopt(Worker(pid, link, os.pidfd_open(pid), slot, proc))
+        log.info("%s started (pid %d)", worker.name, pid)
+        return worker
+
+    def adopt(self, worker: Worker) -> Worker:
+        """Watch a worker process: its exit (pidfd) and what it says (link)."""
+        worker.link.setblocking(False)
+        self.workers[worker.pid] = worker
         self._sel.register(worker.pidfd, selectors.EVENT_READ, lambda: self._reap(worker))
         self._sel.register(worker.link, selectors.EVENT_READ, lambda: self._hear(worker))
-        log.info("%s started (pid %d)", worker.name, pid)
         return worker
 
     def go(self, worker: Worker) -> None:
@@ -248,10 +220,11 @@ class Supervisor:
         worker.link.close()
 
     def _unregister(self, fileobj) -> None:
-        try:
-            self._sel.unregister(fileobj)
-        except (KeyError, ValueError):
-            pass  # not registered (any more)
+        unregister(self._sel, fileobj)
+
+    def zygote_current(self) -> bool:
+        """Whether forks run the code installed now (a restart waits for that)."""
+        return not self.zygotes or self.zygotes.current(self._sel)
 
     def _hear(self, worker: Worker) -> None:
         for _ in range(16):
@@ -288,7 +261,7 @@ class Supervisor:
             log.info("worker %d ready (pid %d) %.3f s after start", w.slot, w.pid, now - w.since)
 
     def _reap(self, worker: Worker) -> None:
-        code = reap(worker)
+        code = reap(worker) if worker.pid in self.workers else None
         if code is None:
             return
         del self.workers[worker.pid]
@@ -358,7 +331,7 @@ class Supervisor:
             self.spawn(None)
 
     def _can_fork(self) -> bool:
-        return not self.opts.zygote or self.zygote is not None
+        return not self.zygotes or self.zygotes.ready is not None
 
     def _fill(self, slot: int) -> None:
         """Put a worker in a vacant slot: a spare if there is one, else a fresh fork."""
@@ -392,76 +365,6 @@ class Supervisor:
                 w.kill("restart --now")
                 info.replaced("restart --now", w)
 
-    # ---- the zygote ---------------------------------------------------------------------------
-
-    def _start_zygote(self) -> None:
-        z = self.pending = zyg.Zygote(self.spec, self.listen.fileno(), code_version())
-        self._sel.register(z.pidfd, selectors.EVENT_READ, lambda: self._zygote_exited(z))
-        self._sel.register(z.sock, selectors.EVENT_READ, lambda: self._zygote_ready(z))
-
-    def _zygote_ready(self, z: zyg.Zygote) -> None:
-        self._unregister(z.sock)
-        if not z.accept_ready():
-            return  # it died instead: its pidfd says so
-        old, self.zygote, self.pending = self.zygote, z, None
-        self._zygote_failures = 0
-        if self._had_zygote:
-            self.zygote_restarts += 1
-            log.info("zygote ready (pid %d), replacing one that %s", z.pid, "was outdated" if old else "died")
-        self._had_zygote = True
-        if old is not None:
-            self._zygote_gone(old)
-
-    def _zygote_gone(self, z: zyg.Zygote, kill: bool = False) -> None:
-        """Stop using a zygote; it exits (killed, if it no longer answers) and is reaped later."""
-        if self.zygote is z:
-            self.zygote = None
-        z.retire()
-        if kill:
-            z.proc.kill()
-        self.retired.append(z)
-
-    def _zygote_exited(self, z: zyg.Zygote) -> None:
-        if z.proc.poll() is None:
-            return
-        self._unregister(z.pidfd)
-        self._unregister(z.sock)
-        z.close()
-        if z in self.retired:
-            self.retired.remove(z)
-            return
-        log.warning("zygote (pid %d) exited with status %s; starting a new one", z.pid, z.proc.returncode)
-        if self.zygote is z:
-            self.zygote = None
-        if self.pending is z:
-            self.pending = None
-            self._zygote_failures += 1
-            if not self._had_zygote:  # it never got as far as its imports: the next one would not either
-                self.zygote_error = f"the zygote exited with status {z.proc.returncode} before it was ready"
-        f = self._zygote_failures
-        self._zygote_next = time.monotonic() + (min(0.5 * 2 ** (f - 1), MAX_BACKOFF) if f else 0.0)
-
-    def _check_zygote(self) -> None:
-        if not self.opts.zygote or self.pending is not None or self.zygote_error:
-            return
-        if self.zygote is None:
-            if time.monotonic() >= self._zygote_next:
-                self._start_zygote()
-        elif time.monotonic() - self._code_checked > CODE_CHECK_INTERVAL:
-            self._code_checked = time.monotonic()
-            if code_version() != self.zygote.version:
-                log.info("installed code changed; renewing the zygote")
-                self._start_zygote()
-
-    def zygote_current(self) -> bool:
-        """Whether forks run the code installed now (a restart waits for that)."""
-        if not self.opts.zygote:
-            return True
-        if self.pending is None and self.zygote is not None and code_version() != self.zygote.version:
-            log.info("installed code changed; renewing the zygote before restarting")
-            self._start_zygote()
-        return self.pending is None and self.zygote is not None
-
     # ---- stopping -----------------------------------------------------------------------------
 
     def _begin_stop(self, timeout: float) -> None:
@@ -482,39 +385,22 @@ class Supervisor:
             reap(w, block=True)
             w.close()
         self.workers.clear()
-        for z in (self.zygote, self.pending, *self.retired):
-            if z is not None:
-                z.retire()
-                try:
-                    z.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:  # a zygote that does not exit on EOF is killed
-                    z.proc.kill()
-                    z.proc.wait()
-                z.close()
+        if self.zygotes:
+            self.zygotes.stop()
         self._publish()
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         return True
 
     # ---- /status ------------------------------------------------------------------------------
 
     def _publish(self) -> None:
         now = time.monotonic()
-        workers = []
-        for slot, info in enumerate(self.slots):
-            w = self.holder(slot)
-            workers.append({
-                "slot": slot,
-                "pid": w and w.pid,
-                "state": w.state if w else info.vacancy(),
-                "uptime_s": round(now - w.since, 3) if w else 0.0,
-                "restarts": info.restarts,
-                "last_exit": info.last_exit,
-                "consecutive_failures": info.failures,
-                "kv_cache_bytes": w.kv_cache_bytes if w else 0,
-                "last_replacement": info.published_replacement(),
-            })
-        spares = [{"pid": w.pid, "state": w.state, "uptime_s": round(now - w.since, 3), "forked": w.stamps["forked"],
-                   "warm": w.stamps.get("warm")} for w in self.idle_spares()]
+        workers = [info.status(slot, self.holder(slot), now) for slot, info in enumerate(self.slots)]
+        spares = [w.spare_status(now) for w in self.idle_spares()]
         with self._published:
-            self._snapshot = {"workers": workers, "spares": spares, "zygote_restarts": self.zygote_restarts,
-                              "zygote_error": self.zygote_error}
+            z = self.zygotes
+            self._snapshot = {"workers": workers, "spares": spares, "zygote_restarts": z.restarts if z else 0,
+                              "zygote_error": z.error if z else None}
             self._published.notify_all()

@@ -8,13 +8,16 @@ went without reading logs.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 
+PR_SET_CHILD_SUBREAPER = 36
 STABLE_AFTER = 5.0  # a worker that lived this long was not crash-looping
 MAX_BACKOFF = 30.0
 
@@ -60,6 +63,10 @@ class Worker:
             self.kill_reason, self.stamps["killed"] = reason, time.time()
         self.signal(signal.SIGKILL)
 
+    def spare_status(self, now: float) -> dict:
+        return {"pid": self.pid, "state": self.state, "uptime_s": round(now - self.since, 3),
+                "forked": self.stamps["forked"], "warm": self.stamps.get("warm")}
+
     def close(self) -> None:
         self.link.close()
         if self.pidfd >= 0:
@@ -97,6 +104,20 @@ class Slot:
                             **stamps}
         self.successor = None
 
+    def status(self, slot: int, w: Worker | None, now: float) -> dict:
+        """What /status shows of this slot and the worker holding it (if any)."""
+        return {
+            "slot": slot,
+            "pid": w and w.pid,
+            "state": w.state if w else self.vacancy(),
+            "uptime_s": round(now - w.since, 3) if w else 0.0,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "consecutive_failures": self.failures,
+            "kv_cache_bytes": w.kv_cache_bytes if w else 0,
+            "last_replacement": self.published_replacement(),
+        }
+
     def published_replacement(self) -> dict | None:
         if not self.replacement:
             return None
@@ -106,6 +127,11 @@ class Slot:
             out |= {"new_pid": s.pid, "forked": s.stamps.get("forked"), "slot_given": s.stamps.get("slot_given"),
                     "ready": s.stamps.get("ready")}
         return out
+
+
+def become_subreaper() -> None:
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 def describe_exit(returncode: int) -> str:
@@ -141,3 +167,11 @@ def reap_orphans(known: set[int]) -> list[tuple[int, int]]:
             return reaped
         _, status = os.waitpid(info.si_pid, 0)
         reaped.append((info.si_pid, os.waitstatus_to_exitcode(status)))
+
+
+def unregister(sel: selectors.BaseSelector, fileobj) -> None:
+    """Stop watching `fileobj` (a no-op if it is not watched any more)."""
+    try:
+        sel.unregister(fileobj)
+    except (KeyError, ValueError):
+        pass

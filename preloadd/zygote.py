@@ -24,16 +24,27 @@ processes it forks, never in the daemon).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import logging
 import os
+import selectors
 import socket
 import subprocess
 import sys
+import time
 import traceback
+from pathlib import Path
 
 from preload.options import ServeOptions, from_json, to_json
+from preload.preloadd.workers import MAX_BACKOFF, unregister
 
-FORK_TIMEOUT = 10.0  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+WORKER_CODE = ("kernels", "checkpoint", "ipc", "preloadd", "worker")  # what a forked worker runs
+FORK_TIMEOUT = 10.0
+CODE_CHECK_INTERVAL = 2.0  # seconds between looks at whether the installed code changed
+
+log = logging.getLogger("preload.daemon")  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
 
 
 def log_name(slot: int | None) -> str:
@@ -143,6 +154,17 @@ def main() -> None:
 # ---- in the daemon --------------------------------------------------------------------------
 
 
+def code_version() -> str:
+    """Changes when the installed code that workers run changes: the zygote must then be renewed."""
+    h = hashlib.sha256()
+    files = [*PACKAGE_ROOT.glob("*.py"), *(p for d in WORKER_CODE for p in (PACKAGE_ROOT / d).rglob("*.py"))]
+    for path in sorted(files):
+        st = path.stat()
+        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+
 def worker_spec(serve: ServeOptions) -> dict:
     """What every worker is started with (its slot is added per worker)."""
     return {"serve": to_json(serve)}
@@ -197,6 +219,115 @@ class Zygote:
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+class Zygotes:
+    """The daemon's zygotes: the one that forks (`ready`), a new one importing
+    (`pending`: at start, after the last one died, or when the installed code changed),
+    and old ones exiting (`retired`). Driven by the supervisor's loop: each zygote's
+    pidfd and a pending one's socket are registered with the loop's selector."""
+
+    def __init__(self, spec: dict, listen_fd: int):
+        self.spec, self.listen_fd = spec, listen_fd
+        self.ready: Zygote | None = None
+        self.pending: Zygote | None = None
+        self.retired: list[Zygote] = []
+        self.restarts = 0  # zygotes that took over from an earlier one
+        self.error: str | None = None  # the first zygote died before its imports were done
+        self._had_one = False  # a zygote has been ready before
+        self._failures = 0
+        self._next_start = 0.0  # backoff after a zygote died before it was ready
+        self._code_checked = time.monotonic()
+
+    def pids(self) -> set[int]:
+        return {z.pid for z in (self.ready, self.pending, *self.retired) if z is not None}
+
+    def start(self, sel: selectors.BaseSelector) -> None:
+        z = self.pending = Zygote(self.spec, self.listen_fd, code_version())
+        sel.register(z.pidfd, selectors.EVENT_READ, lambda: self._exited(sel, z))
+        sel.register(z.sock, selectors.EVENT_READ, lambda: self._ready(sel, z))
+
+    def fork(self, slot: int | None) -> tuple[int, socket.socket]:
+        if self.ready is None:
+            raise RuntimeError("no zygote is ready")
+        try:
+            return self.ready.fork(slot)
+        except RuntimeError:
+            self._retire(self.ready, kill=True)
+            raise
+
+    def check(self, sel: selectors.BaseSelector) -> None:
+        """Start a zygote if none is ready (after a backoff), or a new one if the code changed."""
+        if self.pending is not None or self.error:
+            return
+        if self.ready is None:
+            if time.monotonic() >= self._next_start:
+                self.start(sel)
+        elif time.monotonic() - self._code_checked > CODE_CHECK_INTERVAL:
+            self._code_checked = time.monotonic()
+            if code_version() != self.ready.version:
+                log.info("installed code changed; renewing the zygote")
+                self.start(sel)
+
+    def current(self, sel: selectors.BaseSelector) -> bool:
+        """Whether forks run the code installed now (a restart waits for that)."""
+        if self.pending is None and self.ready is not None and code_version() != self.ready.version:
+            log.info("installed code changed; renewing the zygote before restarting")
+            self.start(sel)
+        return self.pending is None and self.ready is not None
+
+    def stop(self) -> None:
+        for z in (self.ready, self.pending, *self.retired):
+            if z is not None:
+                z.retire()
+                try:
+                    z.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # a zygote that does not exit on EOF is killed
+                    z.proc.kill()
+                    z.proc.wait()
+                z.close()
+
+    def _ready(self, sel: selectors.BaseSelector, z: Zygote) -> None:
+        unregister(sel, z.sock)
+        if z.sock.fileno() < 0 or not z.accept_ready():
+            return  # it died instead: its pidfd says so
+        old, self.ready, self.pending = self.ready, z, None
+        self._failures = 0
+        if self._had_one:
+            self.restarts += 1
+            log.info("zygote ready (pid %d), replacing one that %s", z.pid, "was outdated" if old else "died")
+        self._had_one = True
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, z: Zygote, kill: bool = False) -> None:
+        """Stop using a zygote; it exits (killed, if it no longer answers) and is reaped later."""
+        if self.ready is z:
+            self.ready = None
+        z.retire()
+        if kill:
+            z.proc.kill()
+        self.retired.append(z)
+
+    def _exited(self, sel: selectors.BaseSelector, z: Zygote) -> None:
+        if z.proc.poll() is None:  # reaped by its own pid: its exit status is its own
+            return
+        unregister(sel, z.pidfd)
+        unregister(sel, z.sock)
+        z.close()
+        if z in self.retired:
+            self.retired.remove(z)
+            return
+        log.warning("zygote (pid %d) exited with status %s; starting a new one", z.pid, z.proc.returncode)
+        if self.ready is z:
+            self.ready = None
+        if self.pending is z:
+            self.pending = None
+            self._failures += 1
+            if not self._had_one:  # it never got as far as its imports: the next one would not either
+                self.error = f"the zygote exited with status {z.proc.returncode} before it was ready"
+        f = self._failures
+        self._next_start = time.monotonic() + (min(0.5 * 2 ** (f - 1), MAX_BACKOFF) if f else 0.0)
 
 
 def spawn_fresh(spec: dict, slot: int | None, listen_fd: int) -> tuple[subprocess.Popen, socket.socket]:

@@ -18,128 +18,26 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from daemons import arena_holders, arena_inodes, free_port, port_is_free, preload, running_daemon, wait_for
-
-PROMPT = "t5 t6 t7"
-REPLACE_TIMEOUT = 60.0  # seconds for a replacement worker to be ready; ~1 s on an idle machine
-ZYGOTE_MODULE = "preload.preloadd.zygote"
-
-
-# ---- helpers ------------------------------------------------------------------------------
-
-
-def start_args(api_port: int, workers: int = 1, *extra) -> tuple:
-    return ("--workers", workers, "--port", api_port, "--dtype", "float32", *extra)
-
-
-def api(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
-def workers_of(d) -> list[dict]:
-    return d.status()["workers"]
-
-
-def ready_workers(d) -> list[dict] | None:
-    """The workers once every slot has a ready one, else None."""
-    ws = workers_of(d)
-    return ws if all(w["state"] == "ready" and w["pid"] for w in ws) else None
-
-
-def wait_replaced(d, old_pids: dict[int, int], timeout: float = REPLACE_TIMEOUT) -> list[dict]:
-    """Wait until every slot in `old_pids` (slot -> pid) has a different pid, ready."""
-
-    def replaced():
-        ws = workers_of(d)
-        by_slot = {w["slot"]: w for w in ws}
-        done = all(by_slot[s]["pid"] not in (None, p) and by_slot[s]["state"] == "ready" for s, p in old_pids.items())
-        return ws if done else None
-
-    ws = wait_for(replaced, timeout=timeout, interval=0.02)
-    assert ws, f"workers not replaced within {timeout} s: {workers_of(d)}\n{logs(d.state_dir)}"
-    return ws
-
-
-def logs(state_dir: Path, tail: int = 3000) -> str:
-    out = []
-    for path in sorted(state_dir.glob("*.log")):
-        try:
-            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
-        except OSError:
-            pass
-    return "\n".join(out)
-
-
-def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8, timeout: float = 60.0) -> dict:
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    if client is None:
-        with httpx.Client(timeout=timeout) as fresh:
-            r = fresh.post(api(port) + "/v1/completions", json=body)
-    else:
-        r = client.post(api(port) + "/v1/completions", json=body)
-    assert r.status_code == 200, f"{r.status_code}: {r.text}"
-    out = r.json()
-    assert out["usage"]["completion_tokens"] == max_tokens, out
-    return out
-
-
-def children(pid: int) -> list[psutil.Process]:
-    """Live (not zombie) direct children of `pid`."""
-    out = []
-    for c in psutil.Process(pid).children():
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE:
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def zombies(pid: int) -> list[int]:
-    out = []
-    for c in psutil.Process(pid).children():
-        try:
-            if c.status() == psutil.STATUS_ZOMBIE:
-                out.append(c.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def zygotes(d) -> list[psutil.Process]:
-    """The daemon's zygote(s): its children running the zygote module that are not workers
-    (workers are forked from the zygote, so their command line is the zygote's)."""
-    worker_pids = {w["pid"] for w in workers_of(d)}
-    out = []
-    for c in children(d.pid):
-        try:
-            if any(ZYGOTE_MODULE in a for a in c.cmdline()) and c.pid not in worker_pids:
-                out.append(c)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def processes_naming(state_dir: Path) -> list[psutil.Process]:
-    """Every live process whose command line mentions this state dir anywhere (the daemon
-    names it in a flag, the zygote and its workers in their JSON spec)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        if any(str(state_dir) in a for a in proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
-
-
-def kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-
+from supervised import (
+    PROMPT,
+    REPLACE_TIMEOUT,
+    api,
+    children,
+    complete,
+    kill,
+    logs,
+    processes_naming,
+    start_args,
+    wait_replaced,
+    workers_of,
+    zombies,
+    zygotes,
+)
 
 # ---- SIGKILL mid-stream --------------------------------------------------------------------
 
@@ -647,10 +545,17 @@ def test_a_spare_takes_a_dead_workers_slot_and_a_new_spare_warms_up(tiny_checkpo
         assert spare and spare["pid"] != w["pid"], d.status()
         greedy = complete(port, max_tokens=12)["choices"][0]["text"]
 
+        killed_at = time.time()
         kill(w["pid"])
         [w2] = wait_replaced(d, {0: w["pid"]})
         assert w2["pid"] == spare["pid"], "the warm spare took the slot instead of a fresh fork"
         assert w2["restarts"] == 1 and w2["last_exit"] == "killed by SIGKILL", w2
+        # /status says when each stage happened: reaped, the spare given the slot, ready.
+        rep = w2["last_replacement"]
+        assert (rep["cause"], rep["via"], rep["old_pid"], rep["new_pid"]) == (
+            "exit: killed by SIGKILL", "spare", w["pid"], spare["pid"]), rep
+        assert killed_at <= rep["reaped"] <= rep["slot_given"] <= rep["ready"] <= time.time(), rep
+        assert rep["forked"] < killed_at and rep["killed"] is None, "forked ahead; killed by us, not the daemon"
         assert complete(port, max_tokens=12)["choices"][0]["text"] == greedy
         log = (d.state_dir / "worker-0.log").read_text()
         assert f"serving slot 0 (pid {spare['pid']})" in log, log[-2000:]

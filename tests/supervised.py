@@ -1,0 +1,124 @@
+"""Helpers for tests of supervised workers (`preload start --workers N`): start
+arguments, /status polling, completions on the daemon's API port, process lookups."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+from daemons import wait_for
+
+PROMPT = "t5 t6 t7"
+REPLACE_TIMEOUT = 60.0  # seconds for a replacement worker to be ready; ~1 s on an idle machine
+ZYGOTE_MODULE = "preload.preloadd.zygote"
+
+
+def start_args(api_port: int, workers: int = 1, *extra) -> tuple:
+    return ("--workers", workers, "--port", api_port, "--dtype", "float32", *extra)
+
+
+def api(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def workers_of(d) -> list[dict]:
+    return d.status()["workers"]
+
+
+def ready_workers(d) -> list[dict] | None:
+    """The workers once every slot has a ready one, else None."""
+    ws = workers_of(d)
+    return ws if all(w["state"] == "ready" and w["pid"] for w in ws) else None
+
+
+def wait_replaced(d, old_pids: dict[int, int], timeout: float = REPLACE_TIMEOUT) -> list[dict]:
+    """Wait until every slot in `old_pids` (slot -> pid) has a different pid, ready."""
+
+    def replaced():
+        ws = workers_of(d)
+        by_slot = {w["slot"]: w for w in ws}
+        done = all(by_slot[s]["pid"] not in (None, p) and by_slot[s]["state"] == "ready" for s, p in old_pids.items())
+        return ws if done else None
+
+    ws = wait_for(replaced, timeout=timeout, interval=0.02)
+    assert ws, f"workers not replaced within {timeout} s: {workers_of(d)}\n{logs(d.state_dir)}"
+    return ws
+
+
+def logs(state_dir: Path, tail: int = 3000) -> str:
+    out = []
+    for path in sorted(state_dir.glob("*.log")):
+        try:
+            out.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail:]}")
+        except OSError:
+            pass
+    return "\n".join(out)
+
+
+def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8, timeout: float = 60.0) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if client is None:
+        with httpx.Client(timeout=timeout) as fresh:
+            r = fresh.post(api(port) + "/v1/completions", json=body)
+    else:
+        r = client.post(api(port) + "/v1/completions", json=body)
+    assert r.status_code == 200, f"{r.status_code}: {r.text}"
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == max_tokens, out
+    return out
+
+
+def children(pid: int) -> list[psutil.Process]:
+    """Live (not zombie) direct children of `pid`."""
+    out = []
+    for c in psutil.Process(pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def zombies(pid: int) -> list[int]:
+    out = []
+    for c in psutil.Process(pid).children():
+        try:
+            if c.status() == psutil.STATUS_ZOMBIE:
+                out.append(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def zygotes(d) -> list[psutil.Process]:
+    """The daemon's zygote(s): its children running the zygote module that are not workers
+    (workers are forked from the zygote, so their command line is the zygote's)."""
+    worker_pids = {w["pid"] for w in workers_of(d)}
+    out = []
+    for c in children(d.pid):
+        try:
+            if any(ZYGOTE_MODULE in a for a in c.cmdline()) and c.pid not in worker_pids:
+                out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def processes_naming(state_dir: Path) -> list[psutil.Process]:
+    """Every live process whose command line mentions this state dir anywhere (the daemon
+    names it in a flag, the zygote and its workers in their JSON spec)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if any(str(state_dir) in a for a in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
