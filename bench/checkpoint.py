@@ -187,8 +187,51 @@ V3_LAYER = {
     "tie_word_embeddings": False,
 }
 
+# The V2-Lite family's settings at toy sizes: what the benchmarks run on when the bundled
+# model has not been trained into the package.
+TINY = V2_LITE_MINI | {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
 SHAPES = {
     "v2-lite": lambda moe_layers: V2_LITE_MINI | {"num_hidden_layers": 27, "n_routed_experts": 64},
     "v2-lite-mini": lambda moe_layers: V2_LITE_MINI,
     "v3-slice": lambda moe_layers: V3_LAYER | {"num_hidden_layers": 1 + moe_layers},
 }
+
+
+def weight_bytes(model: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+
+
+def small_model(work: Path) -> tuple[str, Path]:
+    """(label, dir) of the bundled model, or (when it has not been trained into the
+    package) of a tiny random checkpoint of the same family written under `work`."""
+    from preload.options import BUNDLED_MODEL
+
+    if (Path(BUNDLED_MODEL) / "model.safetensors").exists():
+        return "bundled", Path(BUNDLED_MODEL)
+    return "tiny-random", make_random_checkpoint(work / "tiny", TINY, seed=0)
+
+
+def large_model(path: Path) -> tuple[str, Path]:
+    """(label, dir) of a checkpoint of at least 1 GB: the one at `path`, or V2-Lite's
+    real shapes cut to ~1.2 GB (V2_LITE_MINI), written there unless it is there already."""
+    if not ((path / "config.json").exists() and weight_bytes(path) > 10**9):
+        make_random_checkpoint(path, V2_LITE_MINI, seed=0)
+    return path.name, path

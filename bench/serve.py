@@ -19,6 +19,10 @@ What is reported:
   sees them (the worker sends one chunk per engine step, so one gap per token);
 - TPOT: per request, (last chunk - first chunk) / (output tokens - 1);
 - end-to-end latency per request; and failures (non-200, broken stream, short output).
+
+With `rolling_restarts` (and the daemon's state dir), the same requests run a second
+time while `preload restart` replaces every worker that many times in a row, from the
+moment that run begins: what clients see of rolling restarts, beside the steady run.
 """
 
 from __future__ import annotations
@@ -26,15 +30,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from preload.bench.driver import preload
+from preload.bench.results import host_info, quantiles
+
 PERCENTILES = (50, 90, 99)
+RESTART_TIMEOUT = 600.0  # seconds for one `preload restart` round
 
 
 @dataclass
@@ -64,19 +70,6 @@ def parse_range(text: str) -> tuple[int, int]:
     if a < 1 or b < a:
         raise ValueError(f"{text!r}: want LO:HI with 1 <= LO <= HI, or one number")
     return a, b
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None, "n": 0}
-    xs = sorted(values)
-
-    def pick(p: float) -> float:  # linear interpolation between closest ranks
-        k = (len(xs) - 1) * p / 100
-        f = int(k)
-        return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
-
-    return {f"p{p}": pick(p) for p in PERCENTILES} | {"mean": statistics.fmean(xs), "n": len(xs)}
 
 
 async def server_info(client: httpx.AsyncClient) -> dict:
@@ -169,7 +162,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
 
 
 async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                   seed: int, vocab: int | None, warmup: int, timeout: float, progress=lambda msg: None) -> dict:
+                   seed: int, vocab: int | None, warmup: int, timeout: float, rolling_restarts: int = 0,
+                   state_dir: str | None = None, progress=lambda msg: None) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=60, limits=limits) as client:
         info = await server_info(client)
@@ -188,39 +182,58 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
             bad = [w.error for w in warm if not w.ok]
             if bad:
                 raise RuntimeError(f"warm-up failed: {bad[0]}")
-        queue = list(reversed(work[warmup:]))
-        records: list[RequestRecord] = []
         progress(f"{requests} requests, {concurrency} concurrent")
-        t0 = time.perf_counter()
+        records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
+        result = summarize(records, wall, info | {"url": url, "vocab": vocab}, {
+            "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len),
+            "output_len": list(output_len), "seed": seed, "warmup": warmup})
+        if rolling_restarts:
+            progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
+            t0 = time.perf_counter()
+            rounds = asyncio.create_task(asyncio.to_thread(restart_rounds, state_dir, rolling_restarts, t0))
+            records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
+            result["under_restarts"] = figures(records, wall) | {"restarts": await rounds}
+    return result
 
-        async def client_loop():
-            while queue:
-                prompt, max_tokens = queue.pop()
-                records.append(await one_request(client, info["model"], prompt, max_tokens, t0, timeout))
 
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return summarize(records, wall, info | {"url": url, "vocab": vocab}, {
-        "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len), "output_len": list(output_len),
-        "seed": seed, "warmup": warmup})
+async def closed_loop(client: httpx.AsyncClient, model: str, work: list, concurrency: int,
+                      timeout: float) -> tuple[list[RequestRecord], float]:
+    """`concurrency` clients, each sending its next request as soon as its previous one
+    ended, until `work` is done: the records and the wall time."""
+    queue = list(reversed(work))
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+
+    async def client_loop():
+        while queue:
+            prompt, max_tokens = queue.pop()
+            records.append(await one_request(client, model, prompt, max_tokens, t0, timeout))
+
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return records, time.perf_counter() - t0
+
+
+def restart_rounds(state_dir: str, rounds: int, t0: float) -> list[dict]:
+    """`preload restart` (every worker replaced, one at a time) `rounds` times in a row."""
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        r = preload("restart", "--state-dir", state_dir, timeout=RESTART_TIMEOUT)
+        out.append({"started_s": start - t0, "seconds": time.perf_counter() - start, "ok": r.returncode == 0,
+                    "output": (r.stdout + r.stderr).strip()[-300:]})
+    return out
 
 
 def summarize(records: list[RequestRecord], wall: float, server: dict, config: dict) -> dict:
+    return {"bench": "serve", "server": server, "config": config,
+            "machine": host_info() | {"loadavg_after": os.getloadavg()}, **figures(records, wall)}
+
+
+def figures(records: list[RequestRecord], wall: float) -> dict:
     good = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_tokens = sum(r.prompt_tokens for r in good)
-    gaps = [g for r in good for g in r.chunk_gaps]
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
     return {
-        "bench": "serve",
-        "server": server,
-        "config": config,
-        "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
-                    "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "python": platform.python_version(), "loadavg_after": load},
         "wall_s": wall,
         "completed": len(good),
         "failed": len(records) - len(good),
@@ -232,10 +245,10 @@ def summarize(records: list[RequestRecord], wall: float, server: dict, config: d
             "prompt_tokens": prompt_tokens,
             "output_tokens": out_tokens,
         },
-        "ttft_s": percentiles([r.ttft for r in good]),
-        "itl_s": percentiles(gaps),
-        "tpot_s": percentiles([t for r in good if (t := r.tpot) is not None]),
-        "latency_s": percentiles([r.latency for r in good]),
+        "ttft_s": quantiles((r.ttft for r in good), PERCENTILES),
+        "itl_s": quantiles((g for r in good for g in r.chunk_gaps), PERCENTILES),
+        "tpot_s": quantiles((r.tpot for r in good), PERCENTILES),
+        "latency_s": quantiles((r.latency for r in good), PERCENTILES),
         "requests": [asdict(r) | {"tpot": r.tpot} for r in records],
     }
 
@@ -245,14 +258,28 @@ def _ms(x: float | None) -> str:
 
 
 def format_table(result: dict) -> str:
-    s, c, t = result["server"], result["config"], result["throughput"]
-    m = result["machine"]
+    s, c, m = result["server"], result["config"], result["machine"]
     lines = [
         f"preload bench serve: {s['url']} model {s['model']} (context {s['max_model_len']}, vocab {s['vocab']})",
         f"{c['requests']} requests, {c['concurrency']} concurrent, prompt {c['prompt_len'][0]}-{c['prompt_len'][1]} "
         f"tokens, output {c['output_len'][0]}-{c['output_len'][1]} tokens (ignore_eos), seed {c['seed']}; "
         f"client on {m['hostname']} ({m['cpus_usable']} CPUs)",
-        f"completed {result['completed']}, failed {result['failed']} in {result['wall_s']:.2f} s",
+        *run_lines(result),
+    ]
+    under = result.get("under_restarts")
+    if under:
+        rounds = ", ".join(f"{r['seconds']:.2f} s from {r['started_s']:.2f} s" + ("" if r["ok"] else " (failed)")
+                           for r in under["restarts"])
+        lines += ["", f"the same requests again, during {len(under['restarts'])} `preload restart` round(s)"
+                      f" ({rounds}):", *run_lines(under)]
+    return "\n".join(lines)
+
+
+def run_lines(run: dict) -> list[str]:
+    """One run's throughput and latencies."""
+    t = run["throughput"]
+    lines = [
+        f"completed {run['completed']}, failed {run['failed']} in {run['wall_s']:.2f} s",
         f"throughput: {t['requests_per_s']:.2f} req/s, {t['output_tokens_per_s']:.1f} output tok/s, "
         f"{t['total_tokens_per_s']:.1f} total tok/s",
         "",
@@ -260,8 +287,8 @@ def format_table(result: dict) -> str:
     ]
     for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"),
                        ("tpot_s", "time per output token"), ("latency_s", "request latency")):
-        p = result[key]
+        p = run[key] or dict.fromkeys(("p50", "p90", "p99", "mean"), None) | {"n": 0}
         lines.append(f"{label:<22}{_ms(p['p50']):>10}{_ms(p['p90']):>10}{_ms(p['p99']):>10}{_ms(p['mean']):>10}{p['n']:>8}")
-    if result["errors"]:
-        lines += ["", "errors:"] + [f"  {e}" for e in result["errors"]]
-    return "\n".join(lines)
+    if run["errors"]:
+        lines += ["", "errors:"] + [f"  {e}" for e in run["errors"]]
+    return lines

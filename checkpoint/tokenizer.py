@@ -18,13 +18,13 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     def __init__(self, tokenizer_json: str, config: dict):
         """From the text of tokenizer.json and the parsed tokenizer_config.json."""
-        self._tok = _HFTokenizer.from_str(tokenizer_json)
+        self.hf = _HFTokenizer.from_str(tokenizer_json)  # the tokenizers library's own (streaming decoders step it)
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
-        self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_id = self.hf.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self.hf.token_to_id(self.eos_token) if self.eos_token else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -37,19 +37,24 @@ class Tokenizer:
         return cls(path.read_text(), config)
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that `decode` leaves out (special tokens)."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self.hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; a chat template's output already holds its special tokens."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id, *ids]
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self.hf.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
         """What one token reads as on its own (for log-prob listings)."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        return self.hf.decode([token_id], skip_special_tokens=False)

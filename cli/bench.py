@@ -3,19 +3,70 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from preload.options import QUANT_MODES as QUANTS
+from preload.options import QUANT_MODES, DaemonOptions
 
 
 def _quant_list(ctx, param, value: str) -> list[str]:
     quants = [q.strip() for q in value.split(",") if q.strip()]
-    bad = [q for q in quants if q not in QUANTS]
+    bad = [q for q in quants if q not in QUANT_MODES]
     if bad or not quants:
-        raise click.BadParameter(f"{', '.join(bad) or value!r}: choose from {', '.join(QUANTS)}")
+        raise click.BadParameter(f"{', '.join(bad) or value!r}: choose from {', '.join(QUANT_MODES)}")
     return quants
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"... {msg}", err=True)
+
+
+def _report(result: dict, format_table, json_path: Path) -> None:
+    click.echo(format_table(result))
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    click.echo(f"\nwrote {json_path}")
+
+
+def json_option(name: str):
+    return click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                        default=Path(f"bench-{name}.json"), show_default=True, help="Where to write the results.")
+
+
+device_option = click.option("--device", default=DaemonOptions().device, show_default=True,
+                             help="Passed to `preload start --device`.")
+
+
+def model_sizes(command):
+    """The small and the large model a restart or memory benchmark runs on."""
+    for decorate in reversed((
+        click.option("--small", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+                     help="The small model [default: the bundled one, else a tiny random checkpoint]."),
+        click.option("--large", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="A model of >= 1 GB; V2-Lite's shapes cut to ~1.2 GB (random weights) are written there"
+                          " unless it exists [default: written to a temporary dir, removed afterwards]."),
+        click.option("--no-large", is_flag=True, help="Only the small model."),
+        click.option("--no-small", is_flag=True, help="Only the large model."),
+    )):
+        command = decorate(command)
+    return command
+
+
+@contextmanager
+def chosen_models(small: Path | None, large: Path | None, no_small: bool, no_large: bool):
+    """(label, dir) of each model to measure; what had to be written is removed afterwards."""
+    from preload.bench.checkpoint import large_model, small_model
+
+    if no_small and no_large:
+        raise click.UsageError("--no-small and --no-large leave nothing to measure")
+    with tempfile.TemporaryDirectory(prefix="preload-bench-models-") as work:
+        models = [] if no_small else [("small", small) if small else small_model(Path(work))]
+        if not no_large:
+            _progress(f"large model: {large or 'V2-Lite shapes, ~1.2 GB, written to a temporary dir'}")
+            models.append(large_model(large or Path(work) / "v2-lite-mini"))
+        yield models
 
 
 @click.group()
@@ -26,30 +77,28 @@ def bench() -> None:
 @bench.command()
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Checkpoint dir [default: the bundled model].")
-@click.option("--quant", default=",".join(QUANTS), show_default=True, callback=_quant_list,
+@click.option("--quant", default=",".join(QUANT_MODES), show_default=True, callback=_quant_list,
               help="Comma-separated quant modes to start the daemon with.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Runs per measurement.")
-@click.option("--device", default="auto", show_default=True, help="Passed to `preload start --device`.")
+@click.option("--workers", type=click.IntRange(0, 64), default=DaemonOptions().workers, show_default=True,
+              help="Engine workers to start with (`preload start` then returns once they are ready).")
+@device_option
 @click.option("--evict", is_flag=True, help="Drop the checkpoint from the page cache before the first read.")
 @click.option("--no-warmup", is_flag=True, help="Skip the unrecorded warm-up launch.")
 @click.option("--transformers", "with_transformers", is_flag=True,
               help="Also time transformers from_pretrained on the same files (needs transformers).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-cold.json"),
-              show_default=True, help="Where to write the results.")
-def cold(model, quant, repeat, device, evict, no_warmup, with_transformers, json_path):
+@json_option("cold")
+def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transformers, json_path):
     """Cold start: `preload start` to ready per quant mode, vs reading the checkpoint files alone."""
-    from preload import BUNDLED_MODEL
     from preload.bench.cold import format_table, run_cold
+    from preload.options import BUNDLED_MODEL
 
-    model = Path(model or BUNDLED_MODEL)
     try:
-        result = run_cold(model, quant, repeat=repeat, device=device, evict=evict, warmup=not no_warmup,
-                          transformers=with_transformers, progress=lambda msg: click.echo(f"... {msg}", err=True))
+        result = run_cold(Path(model or BUNDLED_MODEL), quant, repeat=repeat, device=device, evict=evict,
+                          warmup=not no_warmup, transformers=with_transformers, workers=workers, progress=_progress)
     except (OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(format_table(result))
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    click.echo(f"\nwrote {json_path}")
+    _report(result, format_table, json_path)
 
 
 @bench.command("serve")
@@ -63,9 +112,13 @@ def cold(model, quant, repeat, device, evict, no_warmup, with_transformers, json
               help="Prompt token ids are drawn from [0, VOCAB) [default: found by asking the worker].")
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Unrecorded requests sent first.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per request.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-serve.json"),
-              show_default=True, help="Where to write the results.")
-def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, warmup, timeout, json_path):
+@click.option("--rolling-restarts", type=click.IntRange(0), default=0, show_default=True,
+              help="Then run the same requests again while `preload restart` replaces every worker this many times.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The state dir of the daemon whose workers serve --url (for --rolling-restarts).")
+@json_option("serve")
+def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, warmup, timeout, rolling_restarts,
+          state_dir, json_path):
     """Serving load: concurrent streamed completions against a running worker."""
     import asyncio
 
@@ -77,50 +130,48 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
         p_len, o_len = parse_range(prompt_len), parse_range(output_len)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if rolling_restarts and state_dir is None:
+        raise click.UsageError("--rolling-restarts needs the daemon's --state-dir")
     try:
         result = asyncio.run(run_load(url, n_requests, concurrency, p_len, o_len, seed, vocab, warmup, timeout,
-                                      progress=lambda msg: click.echo(f"... {msg}", err=True)))
+                                      rolling_restarts, state_dir and str(state_dir), progress=_progress))
     except (httpx.HTTPError, OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(f"{url}: {e}") from None
-    click.echo(format_table(result))
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    click.echo(f"\nwrote {json_path}")
+    _report(result, format_table, json_path)
 
 
 @bench.command("restart")
 @click.option("--restarts", type=click.IntRange(1), default=10, show_default=True, help="Restarts of each kind.")
 @click.option("--cold-repeat", type=click.IntRange(1), default=3, show_default=True, help="Cold starts to time.")
-@click.option("--small", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="The small model [default: the bundled one, else a tiny random checkpoint].")
-@click.option("--large", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("/tmp/preload-bench-restart/v2-lite-mini"), show_default=True,
-              help="The ~1.2 GB model; written there (V2-Lite shapes, random weights) unless it exists.")
-@click.option("--no-large", is_flag=True, help="Only the small model.")
-@click.option("--no-small", is_flag=True, help="Only the large model.")
-@click.option("--memory-workers", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Also measure memory (host, and device on CUDA) with this many workers (--spare-workers 0).")
-@click.option("--device", default="auto", show_default=True, help="Passed to `preload start --device`.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-restart.json"),
-              show_default=True, help="Where to write the results.")
-def restart(restarts, cold_repeat, small, large, no_large, no_small, memory_workers, device, json_path):
-    """Restart: worker SIGKILL (a warm spare takes over, a zygote fork, no zygote) / `preload restart`
-    to /health 200 from the new worker, vs cold start; host and device memory with 1 and N workers."""
-    import tempfile
+@model_sizes
+@device_option
+@json_option("restart")
+def restart(restarts, cold_repeat, small, large, no_large, no_small, device, json_path):
+    """Restart: worker SIGKILL (a warm spare takes over, a zygote fork, no zygote) or `preload restart`
+    to /health 200 from the new worker, vs cold start."""
+    from preload.bench.restart import format_table, run_restart
 
-    from preload.bench.restart import format_table, large_model, run_restart, small_model
-
-    progress = lambda msg: click.echo(f"... {msg}", err=True)  # noqa: E731
-    with tempfile.TemporaryDirectory(prefix="preload-bench-restart-models-") as work:
-        models = [] if no_small else [("small", small) if small else small_model(Path(work))]
-        if not no_large:
-            progress(f"large model: {large}")
-            models.append(large_model(large))
-        if not models:
-            raise click.UsageError("--no-small and --no-large leave nothing to measure")
+    with chosen_models(small, large, no_small, no_large) as models:
         try:
-            result = run_restart(models, restarts, cold_repeat, memory_workers, device, progress)
+            result = run_restart(models, restarts, cold_repeat, device, _progress)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise click.ClickException(str(e)) from None
-    click.echo(format_table(result))
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    click.echo(f"\nwrote {json_path}")
+    _report(result, format_table, json_path)
+
+
+@bench.command("memory")
+@click.option("--workers", type=click.IntRange(2, 64), default=4, show_default=True,
+              help="Measure with this many workers too (beside 1 worker, and 1 worker and a spare).")
+@model_sizes
+@device_option
+@json_option("memory")
+def memory(workers, small, large, no_large, no_small, device, json_path):
+    """Memory: host (and on CUDA device) memory of the daemon, each worker and a spare, with 1 and N workers."""
+    from preload.bench.memory import format_table, run_memory
+
+    with chosen_models(small, large, no_small, no_large) as models:
+        try:
+            result = run_memory(models, workers, device, _progress)
+        except (OSError, RuntimeError, TimeoutError) as e:
+            raise click.ClickException(str(e)) from None
+    _report(result, format_table, json_path)

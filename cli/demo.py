@@ -10,31 +10,15 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
 import click
 
+from preload.bench.driver import free_port, http_get, preload
+
 DEFAULT_PROMPT = "def fibonacci(n):\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, timeout: float = 2.0) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def complete(port: int, prompt: str, max_tokens: int) -> str:
@@ -42,10 +26,6 @@ def complete(port: int, prompt: str, max_tokens: int) -> str:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:
         return json.loads(r.read())["choices"][0]["text"]
-
-
-def preload(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "preload.cli.main", *args], capture_output=True, text=True)
 
 
 @click.command()
@@ -78,7 +58,7 @@ def demo(prompt: str, max_tokens: int, device: str) -> None:
         os.kill(pid, signal.SIGKILL)
         while True:  # a connection made now waits in the daemon's backlog until a worker takes it
             try:
-                code, _ = get(f"http://127.0.0.1:{port}/health", timeout=1.0)
+                code, _ = http_get(port, "/health", timeout=1.0)
             except OSError:
                 code = None
             if code == 200:

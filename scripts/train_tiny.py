@@ -223,6 +223,43 @@ def checkpoint_names(names: list[str], n_layers: int) -> list[str]:
 # ------------------------------------------------------------------------- training
 
 
+def init_weights(cfg, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Fresh float32 weights for `cfg` (a ModelConfig), under the checkpoint's names:
+    normal(0, std) matrices, unit norms, zero router biases."""
+    from preload.checkpoint.shapes import checkpoint_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in checkpoint_shapes(cfg, with_mtp=cfg.num_mtp_layers > 0).items():
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = torch.zeros(shape)
+        elif len(shape) == 1:
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * std
+    return weights
+
+
+def train_forward(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [B, S, V] and MTP logits [B, S-1, V] of the serving model (a
+    worker.model.deepseek.Transformer) for full sequences [B, S]: every sequence in one
+    flat batch over a throwaway latent cache. MTP position i predicts token i+2."""
+    from preload.worker.model.kv_cache import AttentionMeta, LatentCache
+
+    b, s = tokens.shape
+    cache = LatentCache(model.num_cache_layers, b * s, model.cfg, model.embed.dtype, tokens.device)
+    slots = torch.arange(b * s, device=tokens.device).view(b, s)
+    meta = AttentionMeta.build([(0, s, row) for row in slots], tokens.device)
+    hidden = model.forward(tokens.flatten(), meta, cache)
+    logits = model.logits(hidden).view(b, s, -1)
+    if model.mtp is None:
+        return logits, None
+    mtp_meta = AttentionMeta.build([(0, s - 1, row[:-1]) for row in slots], tokens.device)
+    h = hidden.view(b, s, -1)[:, :-1].flatten(0, 1)
+    mtp_logits = model.mtp_forward(h, tokens[:, 1:].flatten(), mtp_meta, cache)
+    return logits, mtp_logits.view(b, s - 1, -1)
+
+
 class ExpertLoads:
     """Counts how many tokens each MoE layer routes to each expert, by wrapping the
     layers' `route` (the model itself does not report loads), so the training loop can
@@ -280,7 +317,7 @@ def sample_batch(stream: torch.Tensor, batch: int, gen: torch.Generator) -> torc
 
 def losses(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean next-token CE of the main head and next-next-token CE of the MTP head."""
-    logits, mtp_logits = model.train_forward(tokens)
+    logits, mtp_logits = train_forward(model, tokens)
     v = logits.shape[-1]
     main = F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), tokens[:, 1:].reshape(-1))
     mtp = None
@@ -355,7 +392,7 @@ def main() -> None:
 
     # --- model
     from preload.checkpoint.config import ModelConfig
-    from preload.worker.model.deepseek import Transformer, init_weights
+    from preload.worker.model.deepseek import Transformer
 
     config = model_config(vocab)
     cfg = ModelConfig.from_dict(config)

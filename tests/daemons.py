@@ -1,5 +1,6 @@
-"""Running the real daemon from tests: the `preload` CLI in subprocesses, free ports,
-HTTP probes, and a cleanup that leaves nothing behind whatever the test did.
+"""Running the real daemon from tests: the shared driver (preload.bench.driver, which
+the benchmarks use too) with what only tests need on top: httpx responses, Prometheus
+text, and where the arena's memfd is still held.
 
 Every daemon gets its own state dir and health port. `running_daemon` stops it with
 `preload stop` and, failing that, kills the daemon process (found by its pid, from
@@ -9,58 +10,27 @@ the state dir's lock file or from its command line naming that state dir).
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 
-PRELOAD = str(Path(sys.executable).with_name("preload"))
+from preload.bench.driver import (  # noqa: F401 - re-exported: the tests import them from here
+    SCRIPT,
+    Daemon,
+    daemon_processes,
+    free_port,
+    port_is_free,
+    preload,
+    start_daemon,
+    stop_everything,
+    wait_for,
+)
+
+PRELOAD = str(SCRIPT)  # tests run in the virtualenv, where the script is installed
 ARENA_LABEL = "memfd:preload-arena"
 START_TIMEOUT = 120  # seconds; a start costs ~3 s (import torch), more on a loaded machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def preload(*args, timeout: float = START_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run the real `preload` command line; never on a terminal (no progress bar)."""
-    return subprocess.run(
-        [PRELOAD, *map(str, args)], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-    )
-
-
-def daemon_processes(state_dir: Path) -> list[psutil.Process]:
-    """Live processes started for `state_dir`: the daemon (whose command line names its
-    state dir) and anything it spawned with the same flag (workers)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        cmd = proc.info["cmdline"] or []
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
-            continue
-        if any(a == "--state-dir" and b == str(state_dir) for a, b in zip(cmd, cmd[1:])):
-            found.append(proc)
-    return found
 
 
 def sockets_in(state_dir: Path) -> list[str]:
@@ -119,79 +89,20 @@ def metrics(text: str) -> dict[str, float]:
 
 
 @dataclass
-class RunningDaemon:
-    state_dir: Path
-    port: int
-    pid: int
-    model: Path
-    start: subprocess.CompletedProcess
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
+class RunningDaemon(Daemon):
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10)
 
-    def status(self) -> dict:
-        r = self.get("/status")
-        r.raise_for_status()
-        return r.json()
-
     def metrics(self) -> dict[str, float]:
         return metrics(self.get("/metrics").text)
-
-
-def stop_everything(state_dir: Path, pids: tuple[int, ...] = ()) -> None:
-    """`preload stop`; then SIGKILL whatever daemon for this state dir survived it."""
-    if (state_dir / "control.sock").exists():
-        try:
-            preload("stop", "--state-dir", state_dir, "--timeout", 15, timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    lock = state_dir / "daemon.lock"
-    lock_pid = lock.read_text().strip() if lock.exists() else ""
-    candidates = {p.pid: p for p in daemon_processes(state_dir)}
-    for pid in {*pids, *([int(lock_pid)] if lock_pid.isdigit() else [])}:
-        try:
-            proc = psutil.Process(pid)
-            if any(str(state_dir) == a for a in proc.cmdline()):  # ours, not a recycled pid
-                candidates[pid] = proc
-        except psutil.Error:
-            pass
-    for proc in candidates.values():
-        try:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-        except psutil.Error:
-            pass
 
 
 @contextmanager
 def running_daemon(state_dir: Path, model: Path | None, *extra, quant: str = "none", port: int | None = None):
     """A daemon started by `preload start` (which returns once it is ready), stopped
     and, failing that, killed on the way out."""
-    port = port or free_port()
-    args = ["start", "--state-dir", state_dir, "--health-port", port, "--quant", quant, *extra]
-    if model is not None:
-        args += ["--model", model]
-    pids: tuple[int, ...] = ()
+    d = start_daemon(state_dir, model, "--quant", quant, *extra, port=port, timeout=START_TIMEOUT)
     try:
-        result = preload(*args)
-        match = re.search(r"\(pid (\d+)\)", result.stdout)
-        if match:
-            pids = (int(match.group(1)),)
-        assert result.returncode == 0 and match, f"preload start failed ({result.returncode}):\n{result.stdout}{result.stderr}"
-        yield RunningDaemon(state_dir, port, pids[0], model, result)
+        yield RunningDaemon(**vars(d))
     finally:
-        stop_everything(state_dir, pids)
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
-    """Poll until `predicate()` is truthy; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+        d.stop(timeout=15)

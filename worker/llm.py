@@ -16,7 +16,8 @@ from preload.checkpoint.tokenizer import Tokenizer
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
 from preload.worker.engine.engine import Engine
-from preload.worker.engine.sampler import SamplingParams
+from preload.worker.engine.output import Output
+from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence as Seq
 from preload.worker.model.deepseek import Transformer, Weights
 
@@ -127,20 +128,27 @@ class LLM:
         params = SamplingParams(max_tokens, temperature, top_p, seed=seed, logprobs=n_top,
                                 prompt_logprobs=prompt_logprobs, **sampling)
         seqs = [Seq(self._prompt_ids(p), params) for p in prompts]
-        for seq in seqs:
-            self.engine.check(seq.prompt, max_tokens)
+        for seq in seqs:  # all of them before any is queued
+            self.engine.check(seq)
         for seq in seqs:
             self.engine.add(seq)
-        self.engine.run_to_completion()
+        outputs: dict[int, list[Output]] = {seq.id: [] for seq in seqs}
+        while self.engine.has_work():
+            for out in self.engine.step():
+                outputs[out.seq_id].append(out)
+        results = [Output.merge(outputs[seq.id]) for seq in seqs]
+        failed = [f"prompt {i}: {r.error}" for i, r in enumerate(results) if r.error is not None]
+        if failed:
+            raise RuntimeError("; ".join(failed))
         return [
             Completion(
                 prompt_token_ids=seq.prompt,
                 token_ids=seq.output,
-                text=self.engine.text(seq),
+                text=result.text,
                 logprobs=seq.logprobs if n_top is not None else None,
                 top_logprobs=seq.top_logprobs if n_top else None,
                 prompt_logprobs=seq.prompt_logprobs,
                 finish_reason=seq.finish_reason,
             )
-            for seq in seqs
+            for seq, result in zip(seqs, results)
         ]

@@ -24,9 +24,11 @@ import uvicorn
 
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
-from preload.worker.api.server import BodyLimit, WorkerState, create_app
+from preload.worker.api.app import create_app
+from preload.worker.api.limits import BodyLimit
+from preload.worker.api.state import WorkerState
 from preload.worker.engine.async_engine import AsyncEngine
-from preload.worker.engine.sampler import SamplingParams
+from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 from preload.worker.link import DaemonLink
 from preload.worker.llm import LLM
@@ -95,7 +97,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
     async def warm_up() -> None:
-        async for _ in engine.generate(Sequence([0], SamplingParams(max_tokens=1))):
+        async for _ in engine.submit(Sequence([0], SamplingParams(max_tokens=1))):
             pass
         mark_ready(state)
 

@@ -67,7 +67,8 @@ def test_vmm_arena_is_shared_read_only(tmp_path):
         import os, sys, torch
         from preload.ipc.arena import map_arena
         from preload.ipc.layout import TensorEntry, tensor_views
-        m = map_arena({arena.info()!r}, [int(sys.argv[1])])
+        from preload.ipc.manifest import ArenaInfo
+        m = map_arena(ArenaInfo.from_wire({arena.info().to_wire()!r}), [int(sys.argv[1])])
         w = tensor_views(m.base, [TensorEntry("w", "float32", (1024,), 0, 4096)])["w"]
         assert torch.equal(w.cpu(), torch.arange(1024, dtype=torch.float32)), "data differs"
         print("read ok", flush=True)

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_tiny import train_forward
 
 from preload import BUNDLED_MODEL, LLM
-from preload.checkpoint.reader import load_checkpoint
 from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.reader import load_checkpoint
 from preload.worker.model.deepseek import Transformer
 
 HELDOUT = Path(__file__).parents[1] / "data" / "heldout.txt"
@@ -50,7 +51,7 @@ def test_mtp_layer_predicts_two_ahead(windows):
     assert model.mtp is not None
     tokens = torch.tensor(windows[:2])
     with torch.no_grad():
-        _, mtp_logits = model.train_forward(tokens)
+        _, mtp_logits = train_forward(model, tokens)
     loss = torch.nn.functional.cross_entropy(mtp_logits[:, :-1].flatten(0, 1), tokens[:, 2:].flatten())
     print(f"MTP held-out perplexity {loss.exp():.2f}")
     assert loss.exp() < cfg.vocab_size / 20

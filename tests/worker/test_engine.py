@@ -6,7 +6,7 @@ from checkpoints import CASES, VOCAB, make_hf_model, save_hf_model
 
 from preload import LLM
 from preload.options import EngineOptions
-from preload.worker.engine.engine import RequestError
+from preload.worker.engine.sampling_params import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_preemption_under_tiny_cache_keeps_outputs(model_dir, reference):
     config = EngineOptions(kv_cache_memory=24 * 4 * bytes_per_token, block_size=4, max_num_batched_tokens=16)
     llm = LLM(model_dir, dtype="float32", engine=config)
     results = llm.generate(prompts(12), max_tokens=20, logprobs=True, prompt_logprobs=True)
-    assert llm.engine.scheduler.preemptions > 0
-    assert llm.engine.blocks.used == 0
+    stats = llm.engine.stats()
+    assert stats.preemptions > 0 and stats.kv_blocks_used == 0
     assert_same(results, reference)
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 from daemons import metrics, running_daemon, wait_for
 from openai import OpenAI
-from workers import chat_model, running_workers, spawn_worker, sse_data, stop_worker
+from workers import running_workers, spawn_worker, sse_data, stop_worker
 
 from preload import BUNDLED_MODEL, LLM
 from preload.checkpoint.config import ModelConfig
@@ -44,18 +44,8 @@ FIRST_ID = 5  # token ids below this may be special tokens (bos, eos, chat roles
 
 
 @pytest.fixture(scope="module")
-def model(request, tmp_path_factory) -> Path:
-    return chat_model(tmp_path_factory.mktemp("served") / "tiny-chat", lambda: request.getfixturevalue("tiny_checkpoint"))
-
-
-@pytest.fixture(scope="module")
 def config(model) -> dict:
     return json.loads((model / "config.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def vocab(config) -> int:
-    return config["vocab_size"]
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,10 @@ import openai
 import pytest
 from daemons import running_daemon
 from openai import OpenAI
-from workers import chat_model, running_workers
+from workers import running_workers
 
 MAX_REQUEST_BYTES = 64 << 10
 VALIDATION = {400, 422}  # a body that is not valid JSON, or not the right shape: either is honest
-
-
-@pytest.fixture(scope="module")
-def model(request, tmp_path_factory):
-    return chat_model(tmp_path_factory.mktemp("served") / "tiny-chat", lambda: request.getfixturevalue("tiny_checkpoint"))
-
-
-@pytest.fixture(scope="module")
-def vocab(model) -> int:
-    return json.loads((model / "config.json").read_text())["vocab_size"]
 
 
 @pytest.fixture(scope="module")

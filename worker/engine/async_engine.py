@@ -1,8 +1,13 @@
 """The engine on its own thread, fed by asyncio: HTTP handlers never wait on a model step.
 
-Requests and aborts are queued to the engine thread; after each step it pokes the
-asyncio queue of every sequence that advanced. Handlers read the sequence's tokens
-directly (only the engine thread appends to them).
+What handlers use is narrow: `submit` a sequence and read its Outputs, `abort` it,
+read `stats`. Sequences and aborts are queued to the engine thread; after each step it
+hands that step's Outputs to the event loop in one call, and each goes to the queue of
+the request it belongs to.
+
+A failure inside `Engine.step` that is one sequence's own comes back as that sequence's
+Output with an error (RequestFailed for its reader); anything that escapes the step is
+the engine's, and stops it: every reader hears EngineDead and `on_fatal` runs.
 """
 
 from __future__ import annotations
@@ -13,25 +18,31 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from preload.worker.engine.engine import Engine
+from preload.worker.engine.engine import Engine, EngineStats
+from preload.worker.engine.output import Output
 from preload.worker.engine.sequence import Sequence
 
 log = logging.getLogger("preload.worker")
 
 
 class EngineDead(RuntimeError):
-    pass
+    """The engine stopped; no request can be answered until the worker is replaced."""
+
+
+class RequestFailed(RuntimeError):
+    """This request's own work failed inside the engine (the message names the stage);
+    the engine and other requests go on."""
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_fatal: Callable[[], None] = lambda: None):
-        """on_fatal: called (from the engine thread) when a step fails; the worker then
+        """on_fatal: called (from the engine thread) when the engine fails; the worker then
         cannot answer correctly any more and should exit so that it is replaced."""
         self.engine, self.on_fatal = engine, on_fatal
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", seq)
         self._wake = threading.Event()
-        self._waiters: dict[int, asyncio.Queue] = {}
+        self._readers: dict[int, asyncio.Queue] = {}  # seq id -> its Outputs (or the engine's death)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.steps = 0
@@ -48,49 +59,77 @@ class AsyncEngine:
         self.loop = loop
         self._thread.start()
 
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     def in_flight(self) -> int:
-        return len(self._waiters)
+        return len(self._readers)
 
     def progress(self) -> tuple[int, bool]:
         """(steps run so far, whether requests are waiting on the engine): a supervisor
         that sees the second stay true while the first stands still knows it hangs.
         Safe to call from any thread."""
-        return self.steps, bool(self._waiters)
+        return self.steps, bool(self._readers)
 
-    async def generate(self, seq: Sequence) -> AsyncIterator[Sequence]:
-        """Yield `seq` each time it gains tokens, until it finishes. Closing the
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def submit(self, seq: Sequence) -> AsyncIterator[Output]:
+        """Check `seq` now (RequestError if the engine can never serve it), and return
+        its Outputs: the sequence is queued when they are first read, each read gives
+        what it produced since the last (merged), and the last is finished. An error in
+        its own work raises RequestFailed; the engine's death, EngineDead. Closing the
         iterator early (client gone) aborts the sequence and frees its cache."""
+        self.engine.check(seq)
+        return self._outputs(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        self._send("abort", seq)
+
+    async def _outputs(self, seq: Sequence) -> AsyncIterator[Output]:
         if not self.alive:
             raise EngineDead(f"engine stopped: {self.error}")
-        self.engine.check(seq.prompt, seq.params.max_tokens)
-        waiter: asyncio.Queue = asyncio.Queue()
-        self._waiters[seq.id] = waiter
+        reader: asyncio.Queue = asyncio.Queue()
+        self._readers[seq.id] = reader
         self._send("add", seq)
+        finished = False
         try:
-            while True:
-                error = await waiter.get()
-                if error is not None:
-                    raise EngineDead(f"engine failed: {error}")
-                yield seq
-                if seq.finished:
-                    return
+            while not finished:
+                news = [await reader.get()]
+                while not reader.empty():
+                    news.append(reader.get_nowait())
+                if isinstance(news[-1], BaseException):
+                    raise EngineDead(f"engine failed: {news[-1]}")
+                out = Output.merge(news)
+                finished = out.finished
+                if out.error is not None:
+                    raise RequestFailed(out.error)
+                yield out
         finally:
-            del self._waiters[seq.id]
-            if not seq.finished:
-                self._send("abort", seq)
+            del self._readers[seq.id]
+            if not finished:
+                self.abort(seq)
 
     def _send(self, op: str, seq: Sequence) -> None:
         self._inbox.put((op, seq))
         self._wake.set()
 
-    def _notify(self, seq_id: int, error: BaseException | None = None) -> None:
-        waiter = self._waiters.get(seq_id)
-        if waiter is not None:
-            waiter.put_nowait(error)
+    def _deliver(self, news: list[Output] | BaseException) -> None:
+        """On the event loop: a step's Outputs to their readers, or the engine's death to all."""
+        if isinstance(news, BaseException):
+            for reader in self._readers.values():
+                reader.put_nowait(news)
+            return
+        for out in news:
+            reader = self._readers.get(out.seq_id)
+            if reader is not None:  # else its reader left; the abort is on its way
+                reader.put_nowait(out)
 
     def _run(self) -> None:
         engine = self.engine
@@ -103,18 +142,12 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                updated = engine.step()
+                outputs = engine.step()
                 self.steps += 1
-                for seq in updated:
-                    self.loop.call_soon_threadsafe(self._notify, seq.id)
-        except BaseException as e:  # noqa: BLE001 - every waiter must hear about it
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # noqa: BLE001 - every reader must hear about it
             log.exception("engine thread failed")
             self.error = e
-            for seq_id in list(self._waiters):
-                self.loop.call_soon_threadsafe(self._notify, seq_id, e)
+            self.loop.call_soon_threadsafe(self._deliver, e)
             self.on_fatal()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=5)

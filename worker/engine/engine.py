@@ -1,21 +1,39 @@
-"""The engine: one step = schedule, run the model over a flat batch, sample, update."""
+"""The engine: one step = schedule, run the model over a flat batch, then each sequence's
+own work (sampling, logprobs, detokenizing, stop strings) and an Output for each.
+
+The forward is the whole batch's: if it fails, the engine is broken and the exception
+goes up to whoever drives it (the worker exits and is replaced). A sequence's own work
+runs in stages (faults.py): its failure ends that sequence alone.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from preload.worker.engine.block_manager import BlockManager
-from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
-from preload.worker.model.deepseek import Transformer
-from preload.worker.engine.scheduler import Scheduler
-from preload.worker.engine.sampler import sample
-from preload.worker.engine.sequence import Sequence
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.options import EngineOptions
+from preload.worker.engine.block_manager import BlockManager
+from preload.worker.engine.detokenizer import Detokenizer
+from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.output import Output
+from preload.worker.engine.sampler import sample
+from preload.worker.engine.sampling_params import RequestError
+from preload.worker.engine.scheduler import Scheduler
+from preload.worker.engine.sequence import Sequence
+from preload.worker.model.deepseek import Transformer
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (too long, ids outside the vocabulary)."""
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int  # sequences queued for their first (or, preempted, next) step
+    running: int  # sequences in the running batch
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions: int  # so far
+    max_model_len: int  # prompt + max_tokens of one sequence at most
 
 
 class Engine:
@@ -35,26 +53,34 @@ class Engine:
         self.cache = LatentCache(cfg.num_layers, num_blocks * config.block_size, cfg, dtype, device, config.kv_cache_dtype)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
+        self.special_ids = tokenizer.special_ids
 
     @property
     def max_model_len(self) -> int:
         return min(self.model.cfg.max_position_embeddings, self.blocks.num_blocks * self.blocks.block_size)
 
-    def check(self, prompt: list[int], max_tokens: int) -> None:
-        """Raise RequestError if this request can never be served."""
-        if not prompt:
-            raise RequestError("the prompt is empty")
+    def check(self, seq: Sequence) -> None:
+        """Raise RequestError if this engine can never serve `seq`. With SamplingParams'
+        own ranges this is all the checking a request gets: callers run it once per
+        sequence before `add`, and the engine thread trusts what it is given."""
+        prompt, p = seq.prompt, seq.params
         vocab = self.model.cfg.vocab_size
+        if not prompt:
+            raise RequestError("the prompt is empty", "prompt")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt) + max_tokens > self.max_model_len:
+            raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+        if p.logprobs is not None and p.logprobs > vocab:
+            raise RequestError(f"logprobs must be at most the vocabulary size {vocab}, got {p.logprobs}", "logprobs")
+        if len(prompt) + p.max_tokens > self.max_model_len:
             raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context length {self.max_model_len}"
+                f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context length {self.max_model_len}",
+                "prompt",
             )
 
     def add(self, seq: Sequence) -> None:
-        self.check(seq.prompt, seq.params.max_tokens)
+        """Queue a sequence that passed `check`."""
+        seq.detokenizer = Detokenizer(self.tokenizer, self.special_ids)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -64,15 +90,20 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        """Safe to call from another thread: each number is read once, none is changed."""
+        s, b = self.scheduler, self.blocks
+        return EngineStats(len(s.waiting), len(s.running), b.used, b.num_blocks, s.preemptions, self.max_model_len)
+
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """Run one batch; return the sequences that produced a token or finished."""
+    def step(self) -> list[Output]:
+        """Run one batch; return an Output for each sequence that produced a token or failed."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         dev = self.device
         spans = [(seq, seq.computed, n) for seq, n in batch]
-        tokens = [t for seq, start, n in spans for t in seq.tokens[start : start + n]]
+        tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
         meta = AttentionMeta.build([(start, n, self.blocks.slots(seq, start + n)) for seq, start, n in spans], dev)
         hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
 
@@ -88,49 +119,64 @@ class Engine:
             row += n
         logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1).cpu()
 
-        updated = []
+        outputs = []
         for (seq, start, n), (first, scoring) in zip(spans, wanted):
             seq.computed += n
-            if scoring:
-                # Row i predicts prompt[start + i + 1]; a preempted sequence recomputes rows
-                # whose log-probs it already has, so start after those.
-                lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
-                targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long)
-                picked = logprobs[first + lo : first + hi].gather(1, targets[:, None])[:, 0]
-                seq.prompt_logprobs.extend(picked.tolist())
-            if seq.pending == 0:
-                last = logprobs[first + (n - 1 if scoring else 0)]
-                self._append(seq, last)
-                updated.append(seq)
-        return updated
+            try:
+                if scoring:
+                    with stage("prompt logprobs"):
+                        self._score_prompt(seq, start, n, logprobs[first : first + n])
+                if seq.pending == 0:
+                    outputs.append(self._advance(seq, logprobs[first + (n - 1 if scoring else 0)]))
+            except SequenceFault as fault:
+                self.scheduler.finish(seq, "error")
+                outputs.append(Output(seq.id, error=str(fault)))
+        return outputs
 
-    def _append(self, seq: Sequence, logprobs: torch.Tensor) -> None:
+    @staticmethod
+    def _score_prompt(seq: Sequence, start: int, n: int, rows: torch.Tensor) -> None:
+        # Row i predicts prompt[start + i + 1]; a preempted sequence recomputes rows whose
+        # log-probs it already has, so start after those.
+        lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
+        targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long)
+        seq.prompt_logprobs.extend(rows[lo:hi].gather(1, targets[:, None])[:, 0].tolist())
+
+    def _advance(self, seq: Sequence, logprobs: torch.Tensor) -> Output:
+        """Sample the next token of `seq` from its log-probs [V]; say what it adds."""
         p = seq.params
-        token = sample(logprobs, p, seq.generator, seq.output)
+        with stage("sampling"):
+            token = sample(logprobs, p, seq.generator, seq.output)
         seq.output.append(token)
+        out = Output(seq.id, [token])
+        if len(seq.output) == 1 and seq.prompt_logprobs is not None:
+            out.prompt_logprobs = list(seq.prompt_logprobs)
         if p.logprobs is not None:
-            seq.logprobs.append(float(logprobs[token]))
-            if p.logprobs > 0:
-                top = logprobs.topk(p.logprobs)
-                seq.top_logprobs.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+            with stage("logprobs"):
+                out.logprobs.append(float(logprobs[token]))
+                if p.logprobs > 0:
+                    top = logprobs.topk(p.logprobs)
+                    out.top_logprobs.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+            seq.logprobs += out.logprobs
+            seq.top_logprobs += out.top_logprobs
+        reason = self._finish_reason(seq, token)
+        with stage("detokenizing"):
+            new = seq.detokenizer.add(token)
+            if reason is not None:
+                new += seq.detokenizer.finish(seq.output)
+        with stage("stop strings"):
+            out.text, stopped = seq.stop_strings.release(new, last=reason is not None)
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            out.finish_reason = reason
+        return out
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Whether `token` ends `seq` by itself (stop strings are judged on the text)."""
+        p = seq.params
         if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            self.scheduler.finish(seq, "stop")
-        elif p.stop and self._hit_stop_string(seq):
-            self.scheduler.finish(seq, "stop")
-        elif len(seq.output) >= p.max_tokens:
-            self.scheduler.finish(seq, "length")
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # Only the tail can contain a new match: decode enough tokens to cover the longest stop string.
-        tail = self.tokenizer.decode(seq.output[-(max(map(len, seq.params.stop)) + 8) :])
-        return any(s in tail for s in seq.params.stop)
-
-    def text(self, seq: Sequence) -> str:
-        """The generated text, cut before a stop string if one ended the sequence."""
-        text = self.tokenizer.decode(seq.output)
-        cuts = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return text[: min(cuts)] if cuts else text
-
-    def run_to_completion(self) -> None:
-        while self.has_work():
-            self.step()
+            return "stop"
+        if len(seq.output) >= p.max_tokens:
+            return "length"
+        return None

@@ -9,7 +9,9 @@ from enum import Enum
 
 import torch
 
-from preload.worker.engine.sampler import SamplingParams
+from preload.worker.engine.detokenizer import Detokenizer
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.stop_strings import StopStrings
 
 _ids = itertools.count()
 
@@ -23,9 +25,12 @@ class Status(Enum):
 @dataclass(eq=False)
 class Sequence:
     """`computed` counts the tokens whose latents are in the cache: the engine's next
-    step feeds tokens[computed:], a whole prompt chunk or, once decoding, the one
+    step feeds the tokens from `computed` on: a whole prompt chunk or, once decoding, the one
     token sampled last. Preemption frees the blocks and resets `computed` to 0; the
-    generated tokens stay and are recomputed as part of the prefix."""
+    generated tokens stay and are recomputed as part of the prefix.
+
+    Only the engine thread changes a sequence once it is submitted; others learn of
+    its progress through Outputs (output.py)."""
 
     prompt: list[int]
     params: SamplingParams
@@ -40,20 +45,24 @@ class Sequence:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    detokenizer: Detokenizer | None = None  # given by the engine, which holds the tokenizer
+    stop_strings: StopStrings = field(init=False)
 
     def __post_init__(self):
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None]  # nothing predicts the first token
-        if self.params.temperature > 0:
+        if not self.params.greedy:
             self.generator = torch.Generator()
             if self.params.seed is None:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(self.params.seed)
+        self.stop_strings = StopStrings(self.params.stop)
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without building the whole list."""
+        p = len(self.prompt)
+        return self.prompt[start:end] + self.output[max(start - p, 0) : max(end - p, 0)]
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -21,7 +21,7 @@ from preload.kernels.quant import BLOCK, Weight, dense, linear, linear_weight
 from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
 from preload.checkpoint.config import ModelConfig
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
-from preload.checkpoint.shapes import checkpoint_shapes, mtp_layer_index
+from preload.checkpoint.shapes import mtp_layer_index
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -189,33 +189,3 @@ class Transformer:
         h = rms_norm(hidden, m.hnorm, m.eps)
         x = m.block(F.linear(torch.cat([e, h], dim=-1), m.eh_proj), self._rope(meta), meta, cache)
         return self.logits(rms_norm(x, m.norm, m.eps))
-
-    def train_forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, S, V] and MTP logits [B, S-1, V] for full sequences [B, S] (no
-        cache kept). MTP position i predicts token i+2."""
-        b, s = tokens.shape
-        cache = LatentCache(self.num_cache_layers, b * s, self.cfg, self.embed.dtype, tokens.device)
-        slots = torch.arange(b * s, device=tokens.device).view(b, s)
-        meta = AttentionMeta.build([(0, s, row) for row in slots], tokens.device)
-        hidden = self.forward(tokens.flatten(), meta, cache)
-        logits = self.logits(hidden).view(b, s, -1)
-        if self.mtp is None:
-            return logits, None
-        mtp_meta = AttentionMeta.build([(0, s - 1, row[:-1]) for row in slots], tokens.device)
-        h = hidden.view(b, s, -1)[:, :-1].flatten(0, 1)
-        mtp_logits = self.mtp_forward(h, tokens[:, 1:].flatten(), mtp_meta, cache)
-        return logits, mtp_logits.view(b, s - 1, -1)
-
-
-def init_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Fresh float32 weights for training: normal(0, std) matrices, unit norms, zero biases."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in checkpoint_shapes(cfg, with_mtp=cfg.num_mtp_layers > 0).items():
-        if name.endswith("e_score_correction_bias"):
-            weights[name] = torch.zeros(shape)
-        elif len(shape) == 1:
-            weights[name] = torch.ones(shape)
-        else:
-            weights[name] = torch.randn(shape, generator=gen) * std
-    return weights

@@ -1,0 +1,74 @@
+"""The daemon driver the benchmarks and tests share, and one end-to-end run of
+`preload bench restart` on the bundled model (one restart of each kind)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from preload.bench import driver
+from preload.bench.restart import KINDS
+
+
+@pytest.fixture
+def http_port():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = 200 if self.path == "/ok" else 503
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(self.path.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_get_and_ports(http_port):
+    assert driver.http_get(http_port, "/ok") == (200, b"/ok")
+    assert driver.http_get(http_port, "/other")[0] == 503
+    assert not driver.port_is_free(http_port)
+    port = driver.free_port()
+    assert driver.port_is_free(port)
+    with pytest.raises(OSError):
+        driver.http_get(port, "/ok", timeout=1)
+
+
+def test_wait_for_returns_the_last_value():
+    values = iter([0, None, 3])
+    assert driver.wait_for(lambda: next(values), timeout=5, interval=0) == 3
+    assert driver.wait_for(lambda: [], timeout=0.05, interval=0.01) == []
+
+
+def test_a_failed_start_raises_and_leaves_nothing_running(tmp_path):
+    state_dir = tmp_path / "state"
+    with pytest.raises(driver.DaemonError, match="preload start failed"):
+        driver.start_daemon(state_dir, tmp_path / "no-such-model", "--device", "cpu")
+    assert driver.daemon_processes(state_dir) == []
+
+
+def test_bench_restart_end_to_end(tmp_path):
+    """Every kind once on the bundled model: the figures are there and mean what they say."""
+    out = tmp_path / "restart.json"
+    r = driver.preload("bench", "restart", "--device", "cpu", "--restarts", 1, "--cold-repeat", 1, "--no-large",
+                       "--json", out, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [model] = json.loads(out.read_text())["models"]
+    for kind in KINDS:
+        [run] = model["restart"][kind]["runs"]
+        assert run["new_pid"] != run["old_pid"] and 0 < run["seconds"] < run["old_gone_and_status_ready_s"]
+        b = run["breakdown"]
+        assert b["old_reaped_s"] is not None and b["go_to_ready_s"] is not None and b["ready_to_200_s"] is not None
+    assert model["restart"]["sigkill-spare"]["promoted"] == 1 and model["restart"]["sigkill"]["runs"][0]["via"] == "fork"
+    assert model["cold"]["runs"][0]["breakdown"]["load_s"] > 0
+    assert "error" not in model["worker_stages"]
+    assert "sigkill-no-zygote" in r.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name != "restart.json"]

@@ -1,0 +1,46 @@
+"""What the engine tells a request after a step: an Output per sequence that advanced.
+
+Outputs are deltas built by the engine thread and handed over whole, so a reader on
+another thread never looks at a Sequence while the engine changes it. A reader that
+fell behind merges what has queued up (`Output.merge`); merging every Output of a
+sequence gives its whole result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Output:
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of token_ids, when the request asked for logprobs
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # likewise, when it asked for n > 0
+    # New text that is final: never half a character, never text that might begin a
+    # stop string; cut before the stop string that finished the sequence.
+    text: str = ""
+    finish_reason: str | None = None  # "stop" or "length" once the sequence is done
+    prompt_logprobs: list[float | None] | None = None  # with the first token, when asked
+    error: str | None = None  # the sequence failed (faults.py) and is finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @classmethod
+    def merge(cls, outputs: list[Output]) -> Output:
+        """One Output saying what `outputs` (consecutive, of one sequence) say together."""
+        if len(outputs) == 1:
+            return outputs[0]
+        last = outputs[-1]
+        return cls(
+            last.seq_id,
+            [t for o in outputs for t in o.token_ids],
+            [lp for o in outputs for lp in o.logprobs],
+            [top for o in outputs for top in o.top_logprobs],
+            "".join(o.text for o in outputs),
+            last.finish_reason,
+            next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
+            last.error,
+        )

@@ -1,0 +1,59 @@
+"""What a request asks of generation, and the one place where its ranges are checked.
+
+Every caller (the HTTP API, `LLM.generate`) builds a SamplingParams, so a value out of
+range is refused here, once, naming the parameter, before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Temperatures below this mean greedy, as in vLLM: dividing logits by 1e-45 gives inf,
+# and the softmax of inf is NaN.
+GREEDY_BELOW = 1e-5
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top log-probs per token
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # below GREEDY_BELOW: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means all tokens
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
+    prompt_logprobs: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        # Each test says what is allowed, so NaN (which fails every comparison) is refused too.
+        ranges = [
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must be in [-2^63, 2^64)"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+        ]
+        for param, ok, rule in ranges:
+            if not ok:
+                raise RequestError(f"{param} {rule}, got {getattr(self, param)!r}", param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
