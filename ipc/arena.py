@@ -20,8 +20,7 @@ import torch
 from preload.ipc.layout import ArenaError
 from preload.ipc.manifest import ArenaInfo
 from preload.ipc.memfd import MappedArena, MemfdArena
-
-TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
+from preload.options import TRANSPORTS
 
 
 def default_transport(device: torch.device) -> str:
