@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from preload.worker.engine.sampler import apply_penalties, sample, top_p_filter
+from preload.worker.engine.sampler import apply_penalties, sample, sample_batch, top_p_filter
 from preload.worker.engine.sampling_params import GREEDY_BELOW, RequestError, SamplingParams
 
 
@@ -51,3 +51,56 @@ def test_rejects_out_of_range_arguments_naming_them(param, value):
     with pytest.raises(RequestError, match=f"^{param} ") as e:
         SamplingParams(**{param: value})
     assert e.value.param == param
+
+
+# ---- the batch sampler the engine runs, held to the one-row reference ---------------------
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams, generated: list[int] = ()) -> torch.Tensor:
+    """The distribution the one-row reference draws from."""
+    x = apply_penalties(logits, list(generated), p.presence_penalty, p.frequency_penalty) / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(p.top_k).values[-1], float("-inf"))
+    probs = x.softmax(-1)
+    probs = top_p_filter(probs, p.top_p) if p.top_p < 1.0 else probs
+    return probs / probs.sum()  # the multinomial draw renormalizes what top-p kept
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.8, presence_penalty=1.0, frequency_penalty=0.5),
+], ids=["plain", "top-k", "top-p", "all"])
+def test_batch_draws_follow_the_reference_distribution(params):
+    torch.manual_seed(0)
+    logits = torch.randn(32) * 2
+    generated = [3, 3, 7]
+    rows = 20000  # the same row many times: its draws are independent
+    tokens = sample_batch(logits.expand(rows, -1).clone(), [params] * rows, [None] * rows, [generated] * rows)
+    seen = torch.bincount(tokens, minlength=32).float() / rows
+    want = reference_probs(logits, params, generated)
+    assert (seen[want == 0] == 0).all(), "a token outside top-k / top-p was drawn"
+    assert (seen - want).abs().max() < 0.015, (seen, want)
+
+
+def test_batch_rows_keep_their_own_params_seeds_and_penalties():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50)
+    greedy = SamplingParams()
+    penalized = SamplingParams(presence_penalty=2.0)  # greedy, but the token it would pick is penalized away
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    params = [greedy, penalized, seeded, greedy, seeded, SamplingParams(temperature=1e-6)]
+    first = int(logits[1].argmax())
+    generated = [[], [first], [], [], [], []]
+
+    def gens():
+        return [torch.Generator().manual_seed(11) if p is seeded else None for p in params]
+
+    a = sample_batch(logits.clone(), params, gens(), generated)
+    b = sample_batch(logits.clone(), params, gens(), generated)
+    assert a[0] == logits[0].argmax() and a[3] == logits[3].argmax() and a[5] == logits[5].argmax()
+    assert a[1] == apply_penalties(logits[1], [first], 2.0, 0.0).argmax() != first
+    assert a[2] == b[2] and a[4] == b[4], "a seeded row draws the same again"
+    alone = sample_batch(logits[2:3].clone(), [seeded], [torch.Generator().manual_seed(11)], [[]])
+    assert a[2] == alone[0], "a seeded row's draw does not depend on the rows beside it"

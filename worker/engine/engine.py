@@ -18,7 +18,7 @@ from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.output import Output
-from preload.worker.engine.sampler import sample
+from preload.worker.engine.sampler import sample, sample_batch
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import Sequence
@@ -81,6 +81,8 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence that passed `check`."""
         seq.detokenizer = Detokenizer(self.tokenizer, self.special_ids)
+        if seq.params.seed is not None and not seq.params.greedy:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -117,9 +119,11 @@ class Engine:
             rows.extend(span_rows)
             wanted.append((first, scoring))
             row += n
-        logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1).cpu()
+        # Log-probs stay on the device: only sampled ids, and the log-probs a request asked
+        # for, come to the host.
+        logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1)
 
-        outputs = []
+        outputs, advancing = [], []  # advancing: (sequence, its row) of those that sample a token
         for (seq, start, n), (first, scoring) in zip(spans, wanted):
             seq.computed += n
             try:
@@ -127,37 +131,81 @@ class Engine:
                     with stage("prompt logprobs"):
                         self._score_prompt(seq, start, n, logprobs[first : first + n])
                 if seq.pending == 0:
-                    outputs.append(self._advance(seq, logprobs[first + (n - 1 if scoring else 0)]))
+                    advancing.append((seq, first + (n - 1 if scoring else 0)))
+            except SequenceFault as fault:
+                self.scheduler.finish(seq, "error")
+                outputs.append(Output(seq.id, error=str(fault)))
+        for (seq, _), drawn in zip(advancing, self._sample(advancing, logprobs)):
+            try:
+                if isinstance(drawn, SequenceFault):
+                    raise drawn
+                outputs.append(self._advance(seq, *drawn))
             except SequenceFault as fault:
                 self.scheduler.finish(seq, "error")
                 outputs.append(Output(seq.id, error=str(fault)))
         return outputs
+
+    def _sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:
+        """For each (sequence, row): (token, its log-prob, its top log-probs) as the request
+        asked for them, drawn for the whole batch at once; if that fails, row by row, so
+        that a failure is the one sequence's whose row it is (a SequenceFault in its place)."""
+        if not advancing:
+            return []
+        seqs = [seq for seq, _ in advancing]
+        rows = logprobs[torch.tensor([row for _, row in advancing], device=self.device)]
+        try:
+            with stage("sampling"):
+                tokens = sample_batch(rows, [s.params for s in seqs], [s.generator for s in seqs], [s.output for s in seqs])
+                return self._picked(seqs, rows, tokens)
+        except SequenceFault:
+            pass  # whose? each row on its own tells
+        drawn = []
+        for seq, row in zip(seqs, rows):
+            try:
+                with stage("sampling"):
+                    token = sample(row, seq.params, seq.generator, seq.output)
+                    drawn += self._picked([seq], row[None], torch.tensor([token], device=self.device))
+            except SequenceFault as fault:
+                drawn.append(fault)
+        return drawn
+
+    @staticmethod
+    def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:
+        """(token, log-prob or None, {id: log-prob} of the n most likely or None) per row,
+        in one transfer to the host."""
+        chosen = rows.gather(1, tokens[:, None])[:, 0]
+        n_top = max((s.params.logprobs or 0) for s in seqs)
+        top = rows.topk(n_top, dim=-1) if n_top else None
+        host = [t.tolist() for t in (tokens, chosen, *(top or ()))]
+        out = []
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            lp = host[1][i] if n is not None else None
+            tops = dict(zip(host[3][i][:n], host[2][i][:n])) if n else None
+            out.append((host[0][i], lp, tops))
+        return out
 
     @staticmethod
     def _score_prompt(seq: Sequence, start: int, n: int, rows: torch.Tensor) -> None:
         # Row i predicts prompt[start + i + 1]; a preempted sequence recomputes rows whose
         # log-probs it already has, so start after those.
         lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
-        targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long)
+        targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long, device=rows.device)
         seq.prompt_logprobs.extend(rows[lo:hi].gather(1, targets[:, None])[:, 0].tolist())
 
-    def _advance(self, seq: Sequence, logprobs: torch.Tensor) -> Output:
-        """Sample the next token of `seq` from its log-probs [V]; say what it adds."""
+    def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
+        """Append the token drawn for `seq`; say what it adds."""
         p = seq.params
-        with stage("sampling"):
-            token = sample(logprobs, p, seq.generator, seq.output)
         seq.output.append(token)
         out = Output(seq.id, [token])
         if len(seq.output) == 1 and seq.prompt_logprobs is not None:
             out.prompt_logprobs = list(seq.prompt_logprobs)
         if p.logprobs is not None:
-            with stage("logprobs"):
-                out.logprobs.append(float(logprobs[token]))
-                if p.logprobs > 0:
-                    top = logprobs.topk(p.logprobs)
-                    out.top_logprobs.append(dict(zip(top.indices.tolist(), top.values.tolist())))
-            seq.logprobs += out.logprobs
-            seq.top_logprobs += out.top_logprobs
+            out.logprobs.append(logprob)
+            seq.logprobs.append(logprob)
+            if top is not None:
+                out.top_logprobs.append(top)
+                seq.top_logprobs.append(top)
         reason = self._finish_reason(seq, token)
         with stage("detokenizing"):
             new = seq.detokenizer.add(token)

@@ -1,4 +1,15 @@
-"""Choosing the next token from logits: penalties, temperature, top-k, top-p."""
+"""Choosing the next token: penalties, temperature, top-k, top-p, on the device, for the
+whole batch at once.
+
+`sample_batch` is what the engine runs: a handful of tensor operations over the batch's
+log-probs, wherever they are (the GPU, or the CPU). Sampling draws one exponential
+variate per token and takes argmax(p / E): that picks token i with probability p_i,
+like a multinomial draw, without a cumulative sum or a host round trip. Rows with a
+seed draw from their own generator, the others from the device's.
+
+`sample` is the one-row reference: the engine falls back to it, row by row, when a
+batch fails, so that the one request at fault fails alone; tests hold the batch to it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +18,10 @@ import torch
 from preload.worker.engine.sampling_params import SamplingParams
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero all but the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_probs, order = probs.sort(descending=True)
+def top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p
+    (a number, or one per row [N, 1])."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
     outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
     outside[..., 0] = False  # the most likely token stays, even when top_p rounds to 0 in float32
     sorted_probs[outside] = 0.0
@@ -20,7 +32,7 @@ def apply_penalties(logits: torch.Tensor, generated: list[int], presence: float,
     """OpenAI's penalties: subtract presence once per token seen, frequency per occurrence."""
     if not generated or (presence == 0.0 and frequency == 0.0):
         return logits
-    counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[-1]).to(logits)
+    counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1]).to(logits)
     return logits - presence * (counts > 0).to(logits) - frequency * counts
 
 
@@ -37,4 +49,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     probs = logits.softmax(-1)
     if params.top_p < 1.0:
         probs = top_p_filter(probs, params.top_p)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 generated: list[list[int]]) -> torch.Tensor:
+    """Token ids [N] (on logits' device) for float32 logits [N, V], one row per sequence:
+    its params, its generator (None: the device's), its tokens so far (for penalties)."""
+    n, vocab = logits.shape
+    dev = logits.device
+
+    def column(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=dev, dtype=torch.float32)[:, None]
+
+    penalized = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    if penalized:
+        logits = logits.clone()
+        rows = torch.tensor([i for i in penalized for _ in generated[i]], device=dev, dtype=torch.long)
+        tokens = torch.tensor([t for i in penalized for t in generated[i]], device=dev, dtype=torch.long)
+        counts = torch.zeros(n, vocab, device=dev).index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
+                                                              accumulate=True)
+        presence = column([p.presence_penalty for p in params])
+        frequency = column([p.frequency_penalty for p in params])
+        logits -= presence * (counts > 0) + frequency * counts
+    greedy = logits.argmax(-1)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        return greedy
+    ps = [params[i] for i in drawn]
+    x = logits[drawn] / column([p.temperature for p in ps])
+    k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+    if min(k) < vocab:
+        kth = x.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if any(p.top_p < 1.0 for p in ps):
+        probs = top_p_filter(probs, column([p.top_p for p in ps]))
+    noise = torch.empty_like(probs).exponential_()
+    for row, i in enumerate(drawn):
+        if generators[i] is not None:
+            noise[row].exponential_(generator=generators[i])
+    return greedy.index_put((torch.tensor(drawn, device=dev),), (probs / noise).argmax(-1))

@@ -44,19 +44,13 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's own, on the engine's device (engine.add)
     detokenizer: Detokenizer | None = None  # given by the engine, which holds the tokenizer
     stop_strings: StopStrings = field(init=False)
 
     def __post_init__(self):
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None]  # nothing predicts the first token
-        if not self.params.greedy:
-            self.generator = torch.Generator()
-            if self.params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(self.params.seed)
         self.stop_strings = StopStrings(self.params.stop)
 
     def tokens(self, start: int, end: int) -> list[int]:

@@ -31,13 +31,23 @@ def llm():
 
 @pytest.fixture
 def doomed_sampling(monkeypatch):
-    real = engine_module.sample
+    """Sampling fails for a batch that holds a doomed row, and for that row alone."""
+    real_batch, real_row = engine_module.sample_batch, engine_module.sample
+
+    def fail() -> None:
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    def sample_batch(logits, params, generators, generated):
+        if any(p.seed == DOOMED_SEED for p in params):
+            fail()
+        return real_batch(logits, params, generators, generated)
 
     def sample(logits, params, generator, generated):
         if params.seed == DOOMED_SEED:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, params, generator, generated)
+            fail()
+        return real_row(logits, params, generator, generated)
 
+    monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
     monkeypatch.setattr(engine_module, "sample", sample)
 
 

@@ -46,11 +46,18 @@ def boom(*_, **__):
     raise RuntimeError("boom")
 
 
+def fail_sampling(monkeypatch, is_victim) -> None:
+    """Sampling fails for the batch holding the victim's row, and for that row alone."""
+    real_batch, real_row = engine_module.sample_batch, engine_module.sample
+    monkeypatch.setattr(engine_module, "sample_batch",
+                        lambda l, ps, g, gen: boom() if any(map(is_victim, ps)) else real_batch(l, ps, g, gen))
+    monkeypatch.setattr(engine_module, "sample", lambda l, p, g, gen: boom() if is_victim(p) else real_row(l, p, g, gen))
+
+
 def fail_in(stage: str, victim: Sequence, monkeypatch) -> None:
     """Make `stage` of the victim's own work raise (after the engine has adopted it)."""
     if stage == "sampling":
-        real = engine_module.sample
-        monkeypatch.setattr(engine_module, "sample", lambda l, p, g, gen: boom() if p is victim.params else real(l, p, g, gen))
+        fail_sampling(monkeypatch, lambda p: p is victim.params)
     elif stage == "detokenizing":
         victim.detokenizer.add = boom
     elif stage == "stop strings":
@@ -83,6 +90,7 @@ def test_out_of_memory_and_cuda_errors_are_the_engines(llm, monkeypatch, fault):
     def raise_fault(*_):
         raise fault
 
+    monkeypatch.setattr(engine_module, "sample_batch", raise_fault)
     monkeypatch.setattr(engine_module, "sample", raise_fault)
     seq = greedy(PROMPT)
     llm.engine.check(seq)
@@ -106,8 +114,7 @@ async def read_all(engine: AsyncEngine, seq: Sequence) -> Output:
 
 def test_async_engine_reports_a_sequence_fault_to_its_request_alone(llm, monkeypatch):
     [alone] = run(llm.engine, [greedy(OTHER, 16)]).values()
-    real = engine_module.sample
-    monkeypatch.setattr(engine_module, "sample", lambda l, p, g, gen: boom() if p.seed == 1 else real(l, p, g, gen))
+    fail_sampling(monkeypatch, lambda p: p.seed == 1)
     fatal = []
 
     async def main():
