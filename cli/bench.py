@@ -101,6 +101,41 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
     _report(result, format_table, json_path)
 
 
+@bench.command()
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Checkpoint dir [default: the bundled model].")
+@click.option("--quant", default="none", show_default=True, callback=_quant_list, help="Comma-separated quant modes.")
+@click.option("--batch", default="1,16,64,256", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--context", default="1024", show_default=True, help="Comma-separated prompt lengths (tokens).")
+@click.option("--output-len", type=click.IntRange(2), default=128, show_default=True, help="Tokens generated per sequence.")
+@click.option("--transformers", "with_transformers", is_flag=True,
+              help="Also time transformers generate on the same file (batches up to 16, the first context).")
+@device_option
+@json_option("decode")
+def decode(model, quant, batch, context, output_len, with_transformers, device, json_path):
+    """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
+    from preload.bench.decode import format_table, run_decode
+    from preload.options import BUNDLED_MODEL
+
+    try:
+        batches, contexts = _int_list(batch, "--batch"), _int_list(context, "--context")
+        result = run_decode(Path(model or BUNDLED_MODEL), device, quant, batches, contexts, output_len,
+                            with_transformers, _progress)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    _report(result, format_table, json_path)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{text!r}: positive integers, comma-separated", param_hint=option)
+    return values
+
+
 @bench.command("serve")
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="A running worker (`preload serve`).")
 @click.option("--requests", "n_requests", type=click.IntRange(1), default=64, show_default=True, help="Recorded requests.")

@@ -11,6 +11,10 @@ to per-head key (dn) and value (dv) parts. Two equal ways to attend:
 
 Shapes: q_nope [B, Q, H, dn], q_pe [B, Q, H, dr], c_kv [B, K, r], k_pe [B, K, dr],
 mask [B, Q, K] (True where query q may see key k). Output [B, Q, H, dv].
+
+`mla_decode` is the decode step over the paged cache itself (one query per sequence):
+on a GPU the Triton kernel of mla_decode.py reads the cache through the block tables;
+elsewhere its reference gathers each sequence's context and runs `mla_absorbed`.
 """
 
 import torch
@@ -55,3 +59,49 @@ def mla_absorbed(
     probs = _softmax(scores, mask, scale).to(c_kv.dtype)
     out_latent = torch.einsum("bhqk,bkr->bqhr", probs, c_kv)
     return torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv)
+
+
+def absorbed_weights(kv_b: torch.Tensor, heads: int, dn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b [H*(dn+dv), r] as W_uk [H, dn, r] (folded into the query) and W_uv [H, dv, r]
+    (into the output)."""
+    kv_b = kv_b.unflatten(0, (heads, -1))
+    return kv_b[:, :dn], kv_b[:, dn:]
+
+
+def paged_slots(block_table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Cache slots of positions 0 .. length-1 of each sequence [B, length], from its blocks."""
+    offsets = torch.arange(block_size, device=block_table.device)
+    return (block_table.long()[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+
+
+def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: tuple, block_table: torch.Tensor,
+                         context_lens: torch.Tensor, block_size: int, max_context: int, scale: float) -> torch.Tensor:
+    """What the decode kernel computes, by gathering each context: q_lat [B, H, r], q_pe
+    [B, H, dr], pools as for `mla_decode` -> [B, H, r]."""
+    c_kv, k_pe, c_scale, k_scale = pools
+    slots = paged_slots(block_table, block_size, max_context)
+    mask = (torch.arange(max_context, device=q_lat.device) < context_lens[:, None])[:, None]  # [B, 1, K]
+    c, k = c_kv[slots], k_pe[slots]
+    if c_scale is not None:  # e4m3 rows with a scale each
+        c, k = ((x.float() * s[slots]).to(q_lat.dtype) for x, s in ((c, c_scale), (k, k_scale)))
+    scores = torch.einsum("bhr,bkr->bhk", q_lat, c) + torch.einsum("bhd,bkd->bhk", q_pe, k)
+    probs = _softmax(scores[:, :, None], mask, scale)[:, :, 0].to(c.dtype)  # [B, H, K]
+    return torch.einsum("bhk,bkr->bhr", probs, c)
+
+
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, pools: tuple,
+               block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_context: int,
+               scale: float) -> torch.Tensor:
+    """One new token per sequence against its cached context: q_nope [B, H, dn], q_pe
+    [B, H, dr], absorbed weights (absorbed_weights), pools = (c_kv, k_pe, c_kv scales or
+    None, k_pe scales or None) of one layer. -> [B, H, dv]."""
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+    rank, rope = q_lat.shape[-1], q_pe.shape[-1]
+    if q_lat.is_cuda and rank & (rank - 1) == 0 and rope & (rope - 1) == 0:  # Triton tiles are powers of two
+        from preload.kernels.mla_decode import mla_decode_latent  # Triton: imported only where there is a GPU
+
+        out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), *pools, block_table, context_lens, block_size,
+                                max_context, scale)
+    else:
+        out = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)
+    return torch.einsum("bhr,hvr->bhv", out, w_uv)

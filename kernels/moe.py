@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from preload.kernels.quant import Weight, linear
+from preload.kernels.linear import linear
+from preload.kernels.quant import Weight
 
 
 def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
@@ -83,3 +84,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         y = experts[e](x[token]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert],
+                   stacked: Callable[[], tuple]) -> torch.Tensor:
+    """The routed experts' sum: the reference loop on the CPU; on a GPU, the fused Triton
+    kernels (fused_moe.py) over `stacked()`, the experts' (gate, up, down) as [E, ...] views."""
+    if not x.is_cuda:
+        return moe_experts(x, ids, weights, experts)
+    from preload.kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
+
+    return fused_moe(x, ids, weights, *stacked())

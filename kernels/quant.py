@@ -1,4 +1,4 @@
-"""Weight quantization as the daemon stores it, and the linear layer that reads it.
+"""Weight quantization as the daemon stores it (linear.py reads it).
 
 Modes: `none` (float weights), `fp8_per_tensor` (e4m3, one scale per matrix) and
 `fp8_block` (e4m3 with a scale per 128x128 block, DeepSeek's layout). A quantized
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from preload.kernels.fp8 import FP8, dequantize_block, quantize_block
 from preload.options import QUANT_MODES
@@ -72,24 +71,6 @@ class Fp8Weight:
 
 
 Weight = torch.Tensor | Fp8Weight
-
-
-def linear_weight(weights, name: str, block: tuple[int, int]) -> Weight:
-    """The matrix `name` from a weights mapping, wrapped with its scales when quantized."""
-    w = weights[name]
-    if w.dtype == FP8:
-        return Fp8Weight(w, weights[name + SCALE_SUFFIX], block)
-    return w
-
-
-def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    return w.dequantize(dtype) if isinstance(w, Fp8Weight) else w
-
-
-def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x @ W^T. Reference path: FP8 weights are dequantized on the fly; GPU kernels
-    that read e4m3 directly replace this behind the same call."""
-    return F.linear(x, dense(w, x.dtype))
 
 
 def stored_layout(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -248,13 +248,12 @@ def train_forward(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
     b, s = tokens.shape
     cache = LatentCache(model.num_cache_layers, b * s, model.cfg, model.embed.dtype, tokens.device)
-    slots = torch.arange(b * s, device=tokens.device).view(b, s)
-    meta = AttentionMeta.build([(0, s, row) for row in slots], tokens.device)
+    meta = AttentionMeta.build([(0, s, [row]) for row in range(b)], s, tokens.device)  # one cache block per row
     hidden = model.forward(tokens.flatten(), meta, cache)
     logits = model.logits(hidden).view(b, s, -1)
     if model.mtp is None:
         return logits, None
-    mtp_meta = AttentionMeta.build([(0, s - 1, row[:-1]) for row in slots], tokens.device)
+    mtp_meta = AttentionMeta.build([(0, s - 1, [row]) for row in range(b)], s, tokens.device)
     h = hidden.view(b, s, -1)[:, :-1].flatten(0, 1)
     mtp_logits = model.mtp_forward(h, tokens[:, 1:].flatten(), mtp_meta, cache)
     return logits, mtp_logits.view(b, s - 1, -1)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from preload.worker.engine.sequence import Sequence
 
 
@@ -33,8 +31,3 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         self.free.extend(seq.blocks)
         seq.blocks = []
-
-    def slots(self, seq: Sequence, end: int) -> torch.Tensor:
-        """Cache slots of positions 0 .. end-1."""
-        blocks = torch.tensor(seq.blocks[: -(-end // self.block_size)])
-        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[:end]

@@ -106,7 +106,7 @@ class Engine:
         dev = self.device
         spans = [(seq, seq.computed, n) for seq, n in batch]
         tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
-        meta = AttentionMeta.build([(start, n, self.blocks.slots(seq, start + n)) for seq, start, n in spans], dev)
+        meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
         hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
 
         # Logits only where needed: each sequence's last row when its pending tokens are

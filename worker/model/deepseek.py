@@ -14,14 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from preload.kernels.attention import mla_absorbed, mla_expanded
-from preload.kernels.moe import moe_experts, route_sigmoid, route_softmax, swiglu
-from preload.kernels.norm import rms_norm
-from preload.kernels.quant import BLOCK, Weight, dense, linear, linear_weight
-from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
 from preload.checkpoint.config import ModelConfig
-from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 from preload.checkpoint.shapes import mtp_layer_index
+from preload.kernels.attention import absorbed_weights, mla_decode, mla_expanded
+from preload.kernels.linear import dense, linear, linear_weight
+from preload.kernels.moe import route_sigmoid, route_softmax, routed_experts, swiglu
+from preload.kernels.norm import rms_norm
+from preload.kernels.quant import BLOCK, Weight
+from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -57,6 +58,7 @@ class MoE:
         self.bias = w.get(f"{p}.gate.e_score_correction_bias")
         self.experts = [MLP.load(cfg, w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
         self.shared = MLP.load(cfg, w, f"{p}.shared_experts") if cfg.n_shared_experts else None
+        self._stacked: tuple | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -70,9 +72,18 @@ class MoE:
             logits, c.num_experts_per_tok, c.n_group, c.topk_group, grouped, c.norm_topk_prob, c.routed_scaling_factor
         )
 
+    def stacked(self) -> tuple:
+        """Every expert's gate, up and down as one [E, ...] view each (the GPU kernels' form);
+        made on first use, views of the arena where the experts lie evenly spaced in it."""
+        if self._stacked is None:
+            from preload.kernels.fused_moe import stack_experts
+
+            self._stacked = tuple(stack_experts([getattr(e, part) for e in self.experts]) for part in ("gate", "up", "down"))
+        return self._stacked
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        y = moe_experts(x, ids, weights, self.experts)
+        y = routed_experts(x, ids, weights, self.experts, self.stacked)
         return y + self.shared(x) if self.shared else y
 
 
@@ -93,6 +104,13 @@ class Attention:
         self.kv_b = _proj(cfg, w, f"{p}.kv_b_proj.weight")
         self.o = _proj(cfg, w, f"{p}.o_proj.weight")
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+        self._kv_b: torch.Tensor | None = None
+
+    def kv_b_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b in the activations' dtype: the stored matrix, or (fp8) dequantized once."""
+        if self._kv_b is None:
+            self._kv_b = dense(self.kv_b, dtype)
+        return self._kv_b
 
     def __call__(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta, cache: LatentCache
@@ -111,9 +129,14 @@ class Attention:
         k_pe = apply_rope(k_pe, cos, sin, c.rope.interleaved)
         cache.write(self.layer, meta.slots, c_kv, k_pe)
 
+        if meta.is_decode:  # one token per sequence, in order: attend over the paged cache as it is
+            w_uk_uv = absorbed_weights(self.kv_b_dense(x.dtype), c.num_heads, c.qk_nope_head_dim)
+            out = mla_decode(q_nope, q_pe, *w_uk_uv, cache.pools(self.layer), meta.block_table,
+                             meta.context_lens, meta.block_size, meta.max_context, self.scale)
+            return linear(out.flatten(1), self.o)
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
-        attend = mla_absorbed if meta.is_decode else mla_expanded
-        out = attend(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, dense(self.kv_b, x.dtype), meta.mask, self.scale)
+        out = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(x.dtype),
+                           meta.mask, self.scale)
         return linear(out[meta.q_valid].flatten(1), self.o)
 
 

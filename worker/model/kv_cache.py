@@ -3,18 +3,21 @@
 MLA caches two small vectors per token per layer: the normalized latent `c_kv`
 (kv_lora_rank) and the roped shared key `k_pe` (qk_rope_head_dim). The cache is a
 pool of token slots; which slots hold which sequence is the caller's business (the
-engine's block manager, or a simple contiguous range).
+engine's block manager: a sequence's blocks are its block table).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.checkpoint.config import ModelConfig
+from preload.kernels.attention import paged_slots
+from preload.kernels.fp8 import FP8, FP8_MAX
 
 
 def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -78,6 +81,12 @@ class LatentCache:
         self.c_kv[layer][slots] = c_kv.to(self.dtype)
         self.k_pe[layer][slots] = k_pe.to(self.dtype)
 
+    def pools(self, layer: int) -> tuple:
+        """(c_kv, k_pe, their scales or None, None) of one layer, as `mla_decode` takes them."""
+        if self.fp8:
+            return self.c_kv[layer], self.k_pe[layer], self.c_kv_scale[layer], self.k_pe_scale[layer]
+        return self.c_kv[layer], self.k_pe[layer], None, None
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp8:
             return tuple(
@@ -90,43 +99,60 @@ class LatentCache:
 @dataclass
 class AttentionMeta:
     """Where one forward step's tokens sit: a flat batch of T new tokens from B
-    sequences, each attending to its own context of cached slots.
+    sequences, each attending to its context in the paged latent cache.
 
     positions [T], slots [T]: position and cache slot of each new token.
     q_index [B, Q], q_valid [B, Q]: the flat index of each sequence's new tokens, padded.
-    kv_slots [B, K]: each sequence's context slots (new tokens included), padded.
-    mask [B, Q, K]: causal visibility, False on padding keys.
+    block_table [B, NB] (int32): each sequence's cache blocks, block_size slots each.
+    context_lens [B] (int32): tokens in each context, the new ones included.
+    kv_slots [B, K], mask [B, Q, K]: the contexts as slots and their causal visibility,
+    for attention that gathers the context (prefill); made on first use.
     """
 
     positions: torch.Tensor
     slots: torch.Tensor
     q_index: torch.Tensor
     q_valid: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    starts: torch.Tensor
+    block_size: int
+    max_q: int
+    max_context: int
 
     @property
     def is_decode(self) -> bool:
-        return self.q_index.shape[1] == 1
+        return self.max_q == 1
+
+    @cached_property
+    def kv_slots(self) -> torch.Tensor:
+        return paged_slots(self.block_table, self.block_size, self.max_context)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        q_pos = self.starts[:, None] + torch.arange(self.max_q, device=self.starts.device)  # padding sees more: never empty
+        k_pos = torch.arange(self.max_context, device=self.starts.device)
+        return (k_pos <= q_pos[:, :, None]) & (k_pos < self.context_lens[:, None, None])
 
     @classmethod
-    def build(cls, seqs: Sequence[tuple[int, int, torch.Tensor]], device) -> AttentionMeta:
-        """seqs: (start, n_new, context_slots) per sequence; the new tokens are at
-        positions start .. start+n_new-1 and context_slots covers 0 .. start+n_new-1."""
-        starts = torch.tensor([s for s, _, _ in seqs], device=device)
-        counts = torch.tensor([n for _, n, _ in seqs], device=device)
-        ctx_lens = starts + counts
-        q, k = int(counts.max()), int(ctx_lens.max())
-        offsets = torch.cumsum(counts, 0) - counts
-        qi = torch.arange(q, device=device)
-        q_valid = qi < counts[:, None]
-        q_index = torch.where(q_valid, offsets[:, None] + qi, 0)
-        kv_slots = torch.zeros(len(seqs), k, dtype=torch.long, device=device)
-        for row, (_, _, ctx) in zip(kv_slots, seqs):
-            row[: len(ctx)] = torch.as_tensor(ctx, device=device)
-        q_pos = starts[:, None] + qi  # padded queries get later positions: never an empty row
-        k_pos = torch.arange(k, device=device)
-        mask = (k_pos <= q_pos[:, :, None]) & (k_pos < ctx_lens[:, None, None])
-        positions = q_pos[q_valid]
-        slots = kv_slots.gather(1, q_pos.clamp(max=k - 1))[q_valid]
-        return cls(positions, slots, q_index, q_valid, kv_slots, mask)
+    def build(cls, seqs: Sequence[tuple[int, int, list[int]]], block_size: int, device) -> AttentionMeta:
+        """seqs: (start, n_new, blocks) per sequence: the new tokens are at positions
+        start .. start+n_new-1, and `blocks` hold positions 0 .. start+n_new-1. Built
+        from host lists in a few transfers, with no read back."""
+        starts = [s for s, _, _ in seqs]
+        counts = [n for _, n, _ in seqs]
+        max_q, max_context = max(counts), max(s + n for s, n, _ in seqs)
+        width = max(len(b) for _, _, b in seqs)
+        positions = [p for s, n, _ in seqs for p in range(s, s + n)]
+        slots = [blocks[p // block_size] * block_size + p % block_size for s, n, blocks in seqs for p in range(s, s + n)]
+        offsets = list(itertools.accumulate(counts, initial=0))[:-1]
+        q_index = [[o + i if i < n else 0 for i in range(max_q)] for o, n in zip(offsets, counts)]
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        q_valid = torch.arange(max_q, device=device) < tensor(counts)[:, None]
+        table = tensor([b + [0] * (width - len(b)) for _, _, b in seqs], torch.int32)
+        lens = tensor([s + n for s, n, _ in seqs], torch.int32)
+        return cls(tensor(positions), tensor(slots), tensor(q_index), q_valid, table, lens, tensor(starts), block_size,
+                   max_q, max_context)

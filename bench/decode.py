@@ -1,0 +1,172 @@
+"""Decode speed: output tokens per second and milliseconds per step of the engine, at
+several batch sizes and context lengths, against the memory-bandwidth limit and
+against transformers `generate` on the same checkpoint, in one run.
+
+For each quant mode the checkpoint is loaded in this process (`LLM`, the engine a
+worker runs) with a KV cache large enough for the largest batch at the longest context.
+For each (context, batch): `batch` prompts of `context` random tokens, greedy, exactly
+`output_len` tokens each (EOS ignored). The prefill (until every sequence has its first
+token) and the decode (the remaining output_len - 1 steps) are timed apart; decode tok/s
+is batch * (output_len - 1) / decode seconds.
+
+The limit: a decode step must read every weight it uses once (dense layers, attention,
+shared experts, the output head, and the routed experts that the batch's tokens touch,
+expected for uniform routing: E (1 - (1 - k/E)^batch) per layer) and the batch's cached
+context; that many bytes at the device's copy bandwidth, measured in the same run, is
+the fastest a step can be. `hbm_percent` = that time / the measured step.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from preload.bench.results import begin, finish, row
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.shapes import checkpoint_shapes
+from preload.kernels.quant import stored_layout
+from preload.options import EngineOptions
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
+from preload.worker.model.kv_cache import bytes_per_token
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), best of five."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def step_bytes(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, context: int) -> int:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read."""
+    dense, per_expert = 0, {}
+    for name, shape in checkpoint_shapes(cfg, with_mtp=False).items():
+        nbytes = sum(dt.itemsize * torch.Size(s).numel() for dt, s in stored_layout(name, shape, quant, dtype).values())
+        if name == "model.embed_tokens.weight":
+            nbytes = nbytes // cfg.vocab_size * batch  # only the rows looked up
+        if ".experts." in name:
+            layer = int(name.split(".")[2])
+            per_expert[layer] = per_expert.get(layer, 0) + nbytes / cfg.n_routed_experts
+        else:
+            dense += nbytes
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch) if e else 0
+    experts = sum(per_expert.values()) * touched
+    cache = batch * context * bytes_per_token(cfg, cfg.num_layers, dtype)
+    return int(dense + experts + cache)
+
+
+def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
+    """One (batch, context): prefill and decode timed apart on `llm`'s engine."""
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    seqs = [Sequence(torch.randint(10, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
+    engine = llm.engine
+    for seq in seqs:
+        engine.check(seq)
+        engine.add(seq)
+    t0 = time.perf_counter()
+    steps = 0
+    while any(not seq.output for seq in seqs):
+        engine.step()
+        steps += 1
+    t1 = time.perf_counter()
+    decode_steps = 0
+    while engine.has_work():
+        engine.step()
+        decode_steps += 1
+    t2 = time.perf_counter()
+    assert all(len(seq.output) == output_len for seq in seqs)
+    decode_s = t2 - t1
+    return {"batch": batch, "context": context, "prefill_s": t1 - t0, "prefill_steps": steps,
+            "prefill_tok_s": batch * context / (t1 - t0), "decode_s": decode_s, "decode_steps": decode_steps,
+            "ms_per_step": 1000 * decode_s / max(decode_steps, 1),
+            "output_tok_s": batch * (output_len - 1) / decode_s}
+
+
+def run_transformers(model: Path, device: str, batch: int, context: int, output_len: int, vocab: int) -> dict:
+    """transformers `generate` on the same checkpoint: greedy, exactly output_len tokens."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map=device).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, vocab, (batch, context), generator=gen).to(device)
+    kwargs = {"max_new_tokens": output_len, "min_new_tokens": output_len, "do_sample": False}
+    with torch.inference_mode():
+        hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": context, "total_s": total, "output_tok_s": batch * output_len / total}
+
+
+def run_decode(model: Path, device: str, quants: list[str], batches: list[int], contexts: list[int], output_len: int,
+               transformers: bool, progress: Callable[[str], None]) -> dict:
+    from preload.worker.llm import LLM
+
+    t0 = time.perf_counter()
+    dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": []}
+    if dev.type == "cuda":
+        result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
+    bandwidth = copy_bandwidth(dev)
+    result["copy_bandwidth_bytes_s"] = bandwidth
+    cfg = ModelConfig.from_dir(model)
+    for quant in quants:
+        kv = max(batches) * (max(contexts) + output_len + 16) * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
+        engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches))
+        llm = LLM(model, quant=quant, device=str(dev), engine=engine)
+        run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
+        for context in contexts:
+            for batch in batches:
+                progress(f"{quant}: batch {batch}, context {context}")
+                case = run_case(llm, batch, context, output_len, cfg.vocab_size, seed=batch)
+                limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
+                case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000)}
+                result["runs"].append(case)
+        del llm
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if transformers and dev.type == "cuda":
+        for batch in [b for b in batches if b <= 16]:
+            progress(f"transformers: batch {batch}, context {contexts[0]}")
+            result["transformers"].append(run_transformers(model, str(dev), batch, contexts[0], output_len,
+                                                           cfg.vocab_size))
+    return finish(result, t0)
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"preload bench decode: {result['model']}, {result['output_len']} output tokens, on "
+             f"{m.get('cuda_device') or m.get('cpu_model')}; copy bandwidth "
+             f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; {result['wall_s']:.0f} s", ""]
+    head = ("quant", "context", "batch", "tok/s", "ms/step", "HBM %", "prefill tok/s", "prefill s")
+    widths = (14, 8, 6, 10, 8, 6, 13, 9)
+    lines.append(row(head, widths))
+    for r in result["runs"]:
+        lines.append(row((r["quant"], r["context"], r["batch"], f"{r['output_tok_s']:.1f}", f"{r['ms_per_step']:.2f}",
+                          f"{r['hbm_percent']:.1f}", f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}"), widths))
+    for r in result["transformers"]:
+        lines.append(row(("transformers", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-",
+                          f"{r['total_s']:.2f}"), widths))
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Inputs for the kernels' tests, on the GPU when there is one."""
+
+from __future__ import annotations
+
+import torch
+
+from preload.kernels.fp8 import FP8, FP8_MAX
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_case(lens: list[int], heads: int, rank: int, rope: int, page: int, fp8: bool, seed: int = 0):
+    """Random queries and a cache whose blocks are handed out in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_each = [-(-n // page) for n in lens]
+    order = torch.randperm(sum(blocks_each) + 3, generator=gen).tolist()  # spare blocks stay unused
+    tables, at = [], 0
+    for n in blocks_each:
+        tables.append(order[at : at + n] + [0] * (max(blocks_each) - n))
+        at += n
+    slots = len(order) * page
+    c_kv, k_pe = torch.randn(slots, rank, generator=gen), torch.randn(slots, rope, generator=gen)
+    if fp8:
+        pools = []
+        for x in (c_kv, k_pe):
+            scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
+            pools.append(((x / scale).to(FP8).to(DEVICE), scale.to(DEVICE)))
+        pools = (pools[0][0], pools[1][0], pools[0][1], pools[1][1])
+    else:
+        pools = (c_kv.to(torch.bfloat16).to(DEVICE), k_pe.to(torch.bfloat16).to(DEVICE), None, None)
+    q_lat = torch.randn(len(lens), heads, rank, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q_pe = torch.randn(len(lens), heads, rope, generator=gen).to(torch.bfloat16).to(DEVICE)
+    table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    return q_lat, q_pe, pools, table, ctx

@@ -1,0 +1,51 @@
+"""The MLA decode kernel (Triton) reads each sequence's context through its block table,
+in any order of blocks, bf16 or e4m3 with per-row scales, split over long contexts, and
+gives what gathering the context and attending does (`mla_decode_reference`). Without a
+GPU it runs in Triton's interpreter (tests/conftest.py); `-m gpu` adds real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_cases import DEVICE, paged_case  # noqa: E402
+
+from preload.kernels.attention import mla_decode, mla_decode_reference  # noqa: E402
+from preload.kernels.mla_decode import mla_decode_latent, splits_for  # noqa: E402
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("lens, heads", [([1], 4), ([17, 300, 1000], 20), ([64, 5], 16)])
+def test_the_kernel_equals_gathering_the_context(lens, heads, fp8):
+    rank, rope, page, scale = 64, 16, 16, 0.1
+    q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, rank, rope, page, fp8)
+    got = mla_decode_latent(q_lat, q_pe, *pools, table, ctx, page, max(lens), scale)
+    want = mla_decode_reference(q_lat.float(), q_pe.float(), tuple(p.float() if p is not None else None for p in pools),
+                                table, ctx, page, max(lens), scale)
+    assert got.shape == q_lat.shape and not got.isnan().any()
+    assert torch.allclose(got.float(), want, atol=3e-2, rtol=3e-2), (got.float() - want).abs().max()
+
+
+def test_long_contexts_are_split_and_short_ones_are_not():
+    assert splits_for(batch=1, heads=16, max_context=8192) > 1
+    assert splits_for(batch=1, heads=16, max_context=100) == 1
+    assert splits_for(batch=256, heads=16, max_context=8192) == 2  # the batch alone fills the GPU
+
+
+def test_mla_decode_through_the_absorbed_weights_equals_the_reference_path():
+    """The model's call: the same answer on the kernel path as on the reference path."""
+    lens, heads, rank, rope, page, dn, dv = [40, 9], 16, 64, 16, 16, 32, 24
+    q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, rank, rope, page, fp8=False, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q_nope = torch.randn(len(lens), heads, dn, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w_uk = (torch.randn(heads, dn, rank, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
+    w_uv = (torch.randn(heads, dv, rank, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
+    got = mla_decode(q_nope, q_pe, w_uk, w_uv, pools, table, ctx, page, max(lens), 0.1)
+    q = torch.einsum("bhd,hdr->bhr", q_nope.float(), w_uk.float())
+    ref = mla_decode_reference(q, q_pe.float(), tuple(p.float() if p is not None else None for p in pools), table, ctx,
+                               page, max(lens), 0.1)
+    want = torch.einsum("bhr,hvr->bhv", ref, w_uv.float())
+    assert got.shape == (len(lens), heads, dv)
+    assert torch.allclose(got.float(), want, atol=3e-2, rtol=3e-2), (got.float() - want).abs().max()
