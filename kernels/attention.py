@@ -97,7 +97,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_u
     None, k_pe scales or None) of one layer. -> [B, H, dv]."""
     q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
     rank, rope = q_lat.shape[-1], q_pe.shape[-1]
-    if q_lat.is_cuda and rank & (rank - 1) == 0 and rope & (rope - 1) == 0:  # Triton tiles are powers of two
+    # Triton's tiles are powers of two, and its dot products at least 16 deep.
+    if q_lat.is_cuda and all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope)):
         from preload.kernels.mla_decode import mla_decode_latent  # Triton: imported only where there is a GPU
 
         out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), *pools, block_table, context_lens, block_size,

@@ -43,7 +43,9 @@ def stack_experts(weights: list[Weight]) -> Weight:
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
     step = tensors[1].data_ptr() - first.data_ptr() if len(tensors) > 1 else 0
+    storage = first.untyped_storage().data_ptr()
     evenly = all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+                 and t.untyped_storage().data_ptr() == storage  # separate allocations may also lie evenly apart
                  and t.data_ptr() - first.data_ptr() == i * step for i, t in enumerate(tensors))
     if not (evenly and step % first.element_size() == 0 and step > 0):
         return torch.stack(tensors)

@@ -101,3 +101,11 @@ def test_fp8_linear_equals_the_dequantized_matrix(block, rows):
     got = fp8_linear(x, weight)
     assert got.shape == (2, rows, 192) and got.dtype == x.dtype
     assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2), (got.float() - want).abs().max()
+
+
+def test_separate_allocations_are_copied_even_when_they_lie_evenly_apart():
+    buffer = torch.zeros(4, 16)
+    apart = [buffer[i].clone() for i in range(4)]  # each its own storage, wherever the allocator put it
+    stacked = stack_experts(apart)
+    assert stacked.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in apart}
+    assert torch.equal(stacked, torch.stack(apart))
