@@ -173,8 +173,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     block_m = 16 if t <= 64 else 64
     capacity = triton.cdiv(t, block_m) * block_m
     pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
+    # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
     aligned = (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device),
-               torch.tensor([capacity], dtype=torch.int32, device=x.device))
+               torch.full((1,), capacity, dtype=torch.int32, device=x.device))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     _launch(rows, Fp8Weight(w.q[None], w.scale_inv[None], w.block), out, aligned, t, 1, block_m, rows_per_pair=True)
     return out.view(*shape, n)
