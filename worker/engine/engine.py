@@ -173,16 +173,18 @@ class Engine:
     def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:
         """(token, log-prob or None, {id: log-prob} of the n most likely or None) per row,
         in one transfer to the host."""
-        chosen = rows.gather(1, tokens[:, None])[:, 0]
         n_top = max((s.params.logprobs or 0) for s in seqs)
-        top = rows.topk(n_top, dim=-1) if n_top else None
-        host = [t.tolist() for t in (tokens, chosen, *(top or ()))]
+        columns = [tokens[:, None], rows.gather(1, tokens[:, None])]
+        if n_top:
+            top = rows.topk(n_top, dim=-1)
+            columns += [top.indices, top.values]
+        # One tensor, so one copy (float64 holds every token id exactly): [token, its log-prob, ids..., log-probs...]
+        host = torch.cat([c.double() for c in columns], 1).tolist()
         out = []
-        for i, seq in enumerate(seqs):
+        for seq, (token, lp, *top_cols) in zip(seqs, host):
             n = seq.params.logprobs
-            lp = host[1][i] if n is not None else None
-            tops = dict(zip(host[3][i][:n], host[2][i][:n])) if n else None
-            out.append((host[0][i], lp, tops))
+            tops = {int(t): v for t, v in zip(top_cols[:n], top_cols[n_top : n_top + n])} if n else None
+            out.append((int(token), lp if n is not None else None, tops))
         return out
 
     @staticmethod
