@@ -14,7 +14,8 @@ mask [B, Q, K] (True where query q may see key k). Output [B, Q, H, dv].
 
 `mla_decode` is the decode step over the paged cache itself (one query per sequence):
 on a GPU the Triton kernel of mla_decode.py reads the cache through the block tables;
-elsewhere its reference gathers each sequence's context and runs `mla_absorbed`.
+elsewhere its reference gathers each sequence's context and runs the absorbed form's
+middle (`latent_attention`) over it.
 """
 
 import torch
@@ -42,6 +43,22 @@ def mla_expanded(
     return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def absorbed_weights(kv_b: torch.Tensor, heads: int, dn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b [H*(dn+dv), r] as W_uk [H, dn, r] (folded into the query) and W_uv [H, dv, r]
+    (into the output)."""
+    kv_b = kv_b.unflatten(0, (heads, -1))
+    return kv_b[:, :dn], kv_b[:, dn:]
+
+
+def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The absorbed form between its two weights: queries q_lat [B, Q, H, r] (q_nope W_uk)
+    and q_pe against the latents, out the softmax-weighted latents [B, Q, H, r]."""
+    scores = torch.einsum("bqhr,bkr->bhqk", q_lat, c_kv) + torch.einsum("bqhd,bkd->bhqk", q_pe, k_pe)
+    probs = _softmax(scores, mask, scale).to(c_kv.dtype)
+    return torch.einsum("bhqk,bkr->bqhr", probs, c_kv)
+
+
 def mla_absorbed(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -51,21 +68,9 @@ def mla_absorbed(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    heads, dn = q_nope.shape[2], q_nope.shape[3]
-    kv_b = kv_b.unflatten(0, (heads, -1))  # [H, dn + dv, r]
-    w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]
-    q_latent = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)
-    scores = torch.einsum("bqhr,bkr->bhqk", q_latent, c_kv) + torch.einsum("bqhd,bkd->bhqk", q_pe, k_pe)
-    probs = _softmax(scores, mask, scale).to(c_kv.dtype)
-    out_latent = torch.einsum("bhqk,bkr->bqhr", probs, c_kv)
-    return torch.einsum("bqhr,hvr->bqhv", out_latent, w_uv)
-
-
-def absorbed_weights(kv_b: torch.Tensor, heads: int, dn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b [H*(dn+dv), r] as W_uk [H, dn, r] (folded into the query) and W_uv [H, dv, r]
-    (into the output)."""
-    kv_b = kv_b.unflatten(0, (heads, -1))
-    return kv_b[:, :dn], kv_b[:, dn:]
+    w_uk, w_uv = absorbed_weights(kv_b, q_nope.shape[2], q_nope.shape[3])
+    q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope, w_uk)
+    return torch.einsum("bqhr,hvr->bqhv", latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale), w_uv)
 
 
 def paged_slots(block_table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -84,9 +89,7 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: tuple, 
     c, k = c_kv[slots], k_pe[slots]
     if c_scale is not None:  # e4m3 rows with a scale each
         c, k = ((x.float() * s[slots]).to(q_lat.dtype) for x, s in ((c, c_scale), (k, k_scale)))
-    scores = torch.einsum("bhr,bkr->bhk", q_lat, c) + torch.einsum("bhd,bkd->bhk", q_pe, k)
-    probs = _softmax(scores[:, :, None], mask, scale)[:, :, 0].to(c.dtype)  # [B, H, K]
-    return torch.einsum("bhk,bkr->bhr", probs, c)
+    return latent_attention(q_lat[:, None], q_pe[:, None], c, k, mask, scale)[:, 0]
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, pools: tuple,

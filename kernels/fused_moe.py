@@ -17,18 +17,12 @@ weights once and nothing else.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from preload.kernels.quant import Fp8Weight, Weight
-
-# Triton's CPU interpreter (the tests' way to run these kernels without a GPU) computes
-# bf16 dot products wrongly; it is given float32 tiles instead.
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+from preload.kernels.triton_dot import dot_dtype
 
 
 def stack_experts(weights: list[Weight]) -> Weight:
@@ -133,7 +127,7 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
     if scale_k % block_k:
         raise ValueError(f"fp8 block scales of {scale_k} columns: blocks of {block_k} must divide them")
     grid = (sorted_pairs.numel() // block_m, triton.cdiv(n, block_n))
-    dot = tl.float32 if INTERPRETING else TL_DTYPES[a.dtype]
+    dot = dot_dtype(a.dtype)
     _grouped_gemm[grid](
         a, q, q2, scale, scale2, out, route if route is not None else out,
         sorted_pairs, block_expert, padded_rows,

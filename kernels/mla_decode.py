@@ -1,6 +1,6 @@
 """MLA decode attention on the GPU (Triton): one new token per sequence, all heads against
 the sequence's latent cache, read in place through its block table. The reference it is
-tested against is `attention.mla_decode_reference` (gather, then `mla_absorbed`).
+tested against is `attention.mla_decode_reference` (gather, then `latent_attention`).
 
 In the absorbed form a head's query is q_latent = q_nope W_uk (kv_lora_rank wide) plus
 its roped part q_pe, and a cached token is its latent c_kv and its roped key k_pe: the
@@ -16,14 +16,12 @@ every multiprocessor busy.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 dots are wrong in the interpreter: fp32 there
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+from preload.kernels.triton_dot import dot_dtype
+
 BLOCK_H = 16  # heads per program: the smallest tile a tensor-core dot takes
 BLOCK_N = 32  # context tokens per step of the loop
 MIN_SPLIT = 256  # tokens a split covers at least: below that, combining costs more than it gains
@@ -110,7 +108,7 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tenso
     parts = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     fp8 = c_scale is not None
-    dot = tl.float32 if INTERPRETING else TL_DTYPES[q_lat.dtype]
+    dot = dot_dtype(q_lat.dtype)
     _mla_decode_split[(batch, triton.cdiv(heads, BLOCK_H), splits)](
         q_lat, q_pe, c_kv, k_pe, c_scale if fp8 else c_kv, k_scale if fp8 else k_pe, block_table, context_lens,
         parts, lse, heads, scale, split_len,
