@@ -79,6 +79,8 @@ class EngineOptions:
     block_size: int = option(16, "Tokens per KV cache block.", bounds=(1, 1024))
     max_num_seqs: int = option(256, "Sequences in the running batch at most.", bounds=(1, None))
     max_num_batched_tokens: int = option(2048, "Tokens one engine step computes at most.", bounds=(1, None))
+    enforce_eager: bool = option(
+        False, "Run every step eagerly: no CUDA graphs captured at start (a faster start, slower decoding).")
 
 
 @dataclass(frozen=True)

@@ -70,20 +70,32 @@ def step_bytes(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, con
     return int(dense + experts + cache)
 
 
-def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
-    """One (batch, context): prefill and decode timed apart on `llm`'s engine."""
+def queue(engine, batch: int, context: int, output_len: int, vocab: int, seed: int) -> list[Sequence]:
+    """`batch` prompts of `context` random tokens, greedy, exactly `output_len` tokens each."""
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     seqs = [Sequence(torch.randint(10, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
-    engine = llm.engine
     for seq in seqs:
         engine.check(seq)
         engine.add(seq)
-    t0 = time.perf_counter()
+    return seqs
+
+
+def prefill(engine, seqs: list[Sequence]) -> int:
+    """Step until every sequence has its first token; the number of steps."""
     steps = 0
-    while any(not seq.output for seq in seqs):
+    while not all(seq.output for seq in seqs):
         engine.step()
         steps += 1
+    return steps
+
+
+def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
+    """One (batch, context): prefill and decode timed apart on `llm`'s engine."""
+    engine = llm.engine
+    seqs = queue(engine, batch, context, output_len, vocab, seed)
+    t0 = time.perf_counter()
+    steps = prefill(engine, seqs)
     t1 = time.perf_counter()
     decode_steps = 0
     while engine.has_work():
@@ -96,6 +108,30 @@ def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: i
             "prefill_tok_s": batch * context / (t1 - t0), "decode_s": decode_s, "decode_steps": decode_steps,
             "ms_per_step": 1000 * decode_s / max(decode_steps, 1),
             "output_tok_s": batch * (output_len - 1) / decode_s}
+
+
+def profile_steps(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> dict:
+    """Where a decode step's GPU time goes: `steps` decode steps of `batch` sequences under
+    torch.profiler; the kernels that take most of it, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    prefill(engine, queue(engine, batch, context, steps + 2, vocab, seed=1))  # not what is profiled
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    while engine.has_work():
+        engine.step()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / steps
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"batch": batch, "context": context, "wall_ms": 1000 * wall, "gpu_busy_ms": busy / 1000,
+            "launches_per_step": sum(e.count for e in kernels) / steps,
+            "top": [{"kernel": e.key[:90], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
+                    for e in kernels[:top]]}
 
 
 def run_transformers(model: Path, device: str, batch: int, context: int, output_len: int, vocab: int) -> dict:
@@ -120,12 +156,14 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
 
 
 def run_decode(model: Path, device: str, quants: list[str], batches: list[int], contexts: list[int], output_len: int,
-               transformers: bool, progress: Callable[[str], None]) -> dict:
+               transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
+               profile: bool = False) -> dict:
     from preload.worker.llm import LLM
 
     t0 = time.perf_counter()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": []}
+    result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": [],
+                                        "cuda_graphs": dev.type == "cuda" and not enforce_eager}
     if dev.type == "cuda":
         result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
     bandwidth = copy_bandwidth(dev)
@@ -133,8 +171,10 @@ def run_decode(model: Path, device: str, quants: list[str], batches: list[int], 
     cfg = ModelConfig.from_dir(model)
     for quant in quants:
         kv = max(batches) * (max(contexts) + output_len + 16) * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
-        engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches))
+        engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager)
+        t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
+        result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
         for context in contexts:
             for batch in batches:
@@ -143,6 +183,8 @@ def run_decode(model: Path, device: str, quants: list[str], batches: list[int], 
                 limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
                 case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000)}
                 result["runs"].append(case)
+                if profile and context == contexts[0] and dev.type == "cuda":
+                    result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
         del llm
         gc.collect()
         if dev.type == "cuda":
@@ -159,7 +201,8 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [f"preload bench decode: {result['model']}, {result['output_len']} output tokens, on "
              f"{m.get('cuda_device') or m.get('cpu_model')}; copy bandwidth "
-             f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; {result['wall_s']:.0f} s", ""]
+             f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
+             f" {result['wall_s']:.0f} s", ""]
     head = ("quant", "context", "batch", "tok/s", "ms/step", "HBM %", "prefill tok/s", "prefill s")
     widths = (14, 8, 6, 10, 8, 6, 13, 9)
     lines.append(row(head, widths))
@@ -169,4 +212,8 @@ def format_table(result: dict) -> str:
     for r in result["transformers"]:
         lines.append(row(("transformers", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-",
                           f"{r['total_s']:.2f}"), widths))
+    for p in result.get("profiles", []):
+        lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"
+                      f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"]
+        lines += [f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}" for k in p["top"]]
     return "\n".join(lines)

@@ -110,9 +110,11 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
 @click.option("--output-len", type=click.IntRange(2), default=128, show_default=True, help="Tokens generated per sequence.")
 @click.option("--transformers", "with_transformers", is_flag=True,
               help="Also time transformers generate on the same file (batches up to 16, the first context).")
+@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: every step eager (as a worker with --enforce-eager).")
+@click.option("--profile", is_flag=True, help="Also profile a few decode steps per batch (first context): top kernels.")
 @device_option
 @json_option("decode")
-def decode(model, quant, batch, context, output_len, with_transformers, device, json_path):
+def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, device, json_path):
     """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
     from preload.bench.decode import format_table, run_decode
     from preload.options import BUNDLED_MODEL
@@ -120,7 +122,7 @@ def decode(model, quant, batch, context, output_len, with_transformers, device, 
     try:
         batches, contexts = _int_list(batch, "--batch"), _int_list(context, "--context")
         result = run_decode(Path(model or BUNDLED_MODEL), device, quant, batches, contexts, output_len,
-                            with_transformers, _progress)
+                            with_transformers, _progress, enforce_eager=enforce_eager, profile=profile)
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)

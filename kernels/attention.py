@@ -15,10 +15,53 @@ mask [B, Q, K] (True where query q may see key k). Output [B, Q, H, dv].
 `mla_decode` is the decode step over the paged cache itself (one query per sequence):
 on a GPU the Triton kernel of mla_decode.py reads the cache through the block tables;
 elsewhere its reference gathers each sequence's context and runs the absorbed form's
-middle (`latent_attention`) over it.
+middle (`latent_attention`) over it. `write_latents` stores new tokens' latents in the
+cache (on a GPU, cache_write.py). On a GPU both kernels find the cache through `Pools.ptrs`,
+its addresses in device memory, not through arguments: a CUDA graph captured against one
+cache then serves any other whose addresses are written there.
 """
 
+from typing import NamedTuple
+
 import torch
+
+from preload.kernels.fp8 import FP8, FP8_MAX
+
+
+class Pools(NamedTuple):
+    """One layer of the latent cache: c_kv [S, r] and k_pe [S, dr] per slot, in the
+    activations' dtype (scales None) or e4m3 with a float32 scale per row ([S, 1] each);
+    on a GPU, `ptrs`: the four tensors' addresses (0 for no scales) as an int64 tensor
+    [4] on the device, which is what the kernels read."""
+
+    c_kv: torch.Tensor
+    k_pe: torch.Tensor
+    c_scale: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    ptrs: torch.Tensor | None = None
+
+    def addresses(self) -> list[int]:
+        return [t.data_ptr() if t is not None else 0 for t in (self.c_kv, self.k_pe, self.c_scale, self.k_scale)]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows and their float32 scales [N, 1] (amax / 448), as the fp8 cache stores them."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).to(FP8), scale
+
+
+def write_latents(pools: Pools, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """Store the new tokens' c_kv [T, r] and k_pe [T, dr] at their slots [T]: on a GPU in
+    one Triton launch (cache_write.py), elsewhere with torch (which autograd can follow)."""
+    if c_kv.is_cuda and pools.ptrs is not None:
+        from preload.kernels.cache_write import write_latents_triton  # Triton: imported only where there is a GPU
+
+        return write_latents_triton(pools, slots, c_kv, k_pe)
+    for pool, scales, x in ((pools.c_kv, pools.c_scale, c_kv), (pools.k_pe, pools.k_scale, k_pe)):
+        if scales is None:
+            pool[slots] = x.to(pool.dtype)
+        else:
+            pool[slots], scales[slots] = quantize_rows(x)
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,11 +122,11 @@ def paged_slots(block_table: torch.Tensor, block_size: int, length: int) -> torc
     return (block_table.long()[:, :, None] * block_size + offsets).flatten(1)[:, :length]
 
 
-def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: tuple, block_table: torch.Tensor,
+def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, block_table: torch.Tensor,
                          context_lens: torch.Tensor, block_size: int, max_context: int, scale: float) -> torch.Tensor:
     """What the decode kernel computes, by gathering each context: q_lat [B, H, r], q_pe
-    [B, H, dr], pools as for `mla_decode` -> [B, H, r]."""
-    c_kv, k_pe, c_scale, k_scale = pools
+    [B, H, dr], one layer's pools -> [B, H, r]."""
+    c_kv, k_pe, c_scale, k_scale, _ = pools
     slots = paged_slots(block_table, block_size, max_context)
     mask = (torch.arange(max_context, device=q_lat.device) < context_lens[:, None])[:, None]  # [B, 1, K]
     c, k = c_kv[slots], k_pe[slots]
@@ -92,19 +135,20 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: tuple, 
     return latent_attention(q_lat[:, None], q_pe[:, None], c, k, mask, scale)[:, 0]
 
 
-def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, pools: tuple,
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, pools: Pools,
                block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_context: int,
                scale: float) -> torch.Tensor:
     """One new token per sequence against its cached context: q_nope [B, H, dn], q_pe
-    [B, H, dr], absorbed weights (absorbed_weights), pools = (c_kv, k_pe, c_kv scales or
-    None, k_pe scales or None) of one layer. -> [B, H, dv]."""
+    [B, H, dr], absorbed weights (absorbed_weights), one layer's pools. max_context: no
+    context is longer (the kernel's split count follows it, the reference's gather width).
+    -> [B, H, dv]."""
     q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
     rank, rope = q_lat.shape[-1], q_pe.shape[-1]
     # Triton's tiles are powers of two, and its dot products at least 16 deep.
-    if q_lat.is_cuda and all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope)):
+    if q_lat.is_cuda and pools.ptrs is not None and all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope)):
         from preload.kernels.mla_decode import mla_decode_latent  # Triton: imported only where there is a GPU
 
-        out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), *pools, block_table, context_lens, block_size,
+        out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), pools, block_table, context_lens, block_size,
                                 max_context, scale)
     else:
         out = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)

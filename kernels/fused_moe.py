@@ -5,6 +5,7 @@ The same kernel, with one expert, is the fp8 linear layer (`fp8_linear`).
 1. `align_by_expert`: the batch's (token, k) pairs sorted by expert on the device, each
    expert's run padded to a multiple of BLOCK_M, so that a block of rows needs one
    expert. The sizes are bounds known from the batch's shape, not counts read back.
+   (Torch here, the reference; the steps run moe_align.py's one Triton launch.)
 2. gate and up in one grouped GEMM with SwiGLU fused: h[pair] = silu(x Wg^T) * (x Wu^T).
 3. down in a second one, scaled by the pair's routing weight; the k rows of a token
    are then summed.
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.moe_align import align_by_expert_triton
 from preload.kernels.quant import Fp8Weight, Weight
 from preload.kernels.triton_dot import dot_dtype
 
@@ -114,6 +116,12 @@ def _grouped_gemm(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
+def tile_config(rows: int, n: int, k: int, fp8: bool) -> dict:
+    """Tile sizes and pipelining of one grouped GEMM: rows (pairs) of the batch, an
+    expert's output width n and depth k."""
+    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
 def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *, w2: Weight | None = None,
             route: torch.Tensor | None = None, rows_per_pair: bool = False) -> None:
     sorted_pairs, block_expert, padded_rows = aligned
@@ -121,7 +129,8 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
     q, scale = (w.q, w.scale_inv) if fp8 else (w, w)
     q2, scale2 = ((w2.q, w2.scale_inv) if fp8 else (w2, w2)) if w2 is not None else (q, scale)
     _, n, k = q.shape
-    block_n, block_k = 64, 64
+    config = tile_config(pairs, n, k, fp8)
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     # A per-tensor scale is one block as large as any matrix (and bf16 weights have none).
     scale_n, scale_k = w.block if fp8 and scale.shape[1:] != (1, 1) else (1 << 30, 1 << 30)
     if scale_k % block_k:
@@ -135,7 +144,7 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
         a.stride(0), q.stride(0), q.stride(1), q.stride(2),
         *(scale.stride() if fp8 else (0, 0, 0)), out.stride(0),
         TOP_K=top_k, SCALE_N=scale_n, SCALE_K=scale_k, ROWS_PER_PAIR=rows_per_pair, SWIGLU=w2 is not None,
-        ROUTED=route is not None, FP8=fp8, DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROUTED=route is not None, FP8=fp8, DOT=dot, BLOCK_M=block_m, **config,
     )
 
 
@@ -148,7 +157,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     num_experts = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[0]
     inner = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[1]
     block_m = 16 if pairs <= 4 * num_experts else 64  # few rows per expert while decoding
-    aligned = align_by_expert(ids, num_experts, block_m)
+    aligned = align_by_expert_triton(ids, num_experts, block_m)  # one launch; align_by_expert is its reference
     x = x.contiguous()
     h = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
     _launch(x, gate, h, aligned, pairs, top_k, block_m, w2=up)

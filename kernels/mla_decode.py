@@ -11,37 +11,56 @@ for all of them.
 
 Long contexts are split (flash-decoding): each split writes its partial output and
 log-sum-exp, and a second kernel combines them, so that a single sequence still keeps
-every multiprocessor busy.
+every multiprocessor busy. The number of splits follows the longest context the step
+may have; each sequence's split length follows its own context, read on the device, so
+a CUDA graph captured once serves every context length.
+
+The cache is read through `Pools.ptrs` (its addresses on the device), so that a graph
+captured against one cache serves another.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from preload.kernels.triton_dot import dot_dtype
+from preload.kernels.triton_dot import TRITON_DTYPES, dot_dtype
+
+if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it)
+    from preload.kernels.attention import Pools
 
 BLOCK_H = 16  # heads per program: the smallest tile a tensor-core dot takes
 BLOCK_N = 32  # context tokens per step of the loop
-MIN_SPLIT = 256  # tokens a split covers at least: below that, combining costs more than it gains
+MIN_SPLIT = 64  # tokens a split covers at least: below that, combining costs more than it gains
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H200 (132)
+MAX_SPLITS = 128  # a graph sizes its splits for the longest context: bounds the partials it keeps
 
 
 @triton.jit
 def _mla_decode_split(
-    q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, c_scale_ptr, k_scale_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
-    heads, scale, split_len,
+    q_lat_ptr, q_pe_ptr, ptrs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+    heads, scale,
     stride_qb, stride_qh, stride_pb, stride_ph, stride_tb, stride_ob, stride_oh, stride_os,
-    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, CACHE: tl.constexpr, FP8: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
+    # Each sequence is cut into its own splits (a graph fixes only how many there are): as
+    # many as there are programs, none shorter than MIN_SPLIT; the rest stay empty.
+    split_len = tl.cdiv(tl.maximum(tl.cdiv(ctx, tl.num_programs(2)), MIN_SPLIT), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < heads
+    if lo >= hi:  # an empty split: lse -inf weighs nothing, and its output is never read
+        tl.store(lse_ptr + (b * heads + h) * tl.num_programs(2) + split, float("-inf"), mask=hmask)
+        return
+    c_kv_ptr = tl.load(ptrs_ptr).to(tl.pointer_type(CACHE))
+    k_pe_ptr = tl.load(ptrs_ptr + 1).to(tl.pointer_type(CACHE))
     r, dr = tl.arange(0, R), tl.arange(0, DR)
     q_lat = tl.load(q_lat_ptr + b * stride_qb + h[:, None] * stride_qh + r[None, :], mask=hmask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + b * stride_pb + h[:, None] * stride_ph + dr[None, :], mask=hmask[:, None], other=0.0)
@@ -56,6 +75,8 @@ def _mla_decode_split(
         c = tl.load(c_kv_ptr + slot[:, None] * R + r[None, :], mask=live[:, None], other=0.0)
         k = tl.load(k_pe_ptr + slot[:, None] * DR + dr[None, :], mask=live[:, None], other=0.0)
         if FP8:  # e4m3 rows with one float32 scale each
+            c_scale_ptr = tl.load(ptrs_ptr + 2).to(tl.pointer_type(tl.float32))
+            k_scale_ptr = tl.load(ptrs_ptr + 3).to(tl.pointer_type(tl.float32))
             c = c.to(tl.float32) * tl.load(c_scale_ptr + slot, mask=live, other=0.0)[:, None]
             k = k.to(tl.float32) * tl.load(k_scale_ptr + slot, mask=live, other=0.0)[:, None]
         c = c.to(DOT)
@@ -67,59 +88,60 @@ def _mla_decode_split(
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), c)
         m = m_new
-    # An empty split (its range past this sequence's context) leaves lse -inf: it weighs nothing.
-    lse = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), float("-inf"))
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
     base = b * stride_ob + h * stride_oh + split * stride_os
-    tl.store(out_ptr + base[:, None] + r[None, :], out, mask=hmask[:, None])
-    tl.store(lse_ptr + (b * heads + h) * tl.num_programs(2) + split, lse, mask=hmask)
+    tl.store(out_ptr + base[:, None] + r[None, :], acc / l[:, None], mask=hmask[:, None])
+    tl.store(lse_ptr + (b * heads + h) * tl.num_programs(2) + split, m + tl.log(l), mask=hmask)
 
 
 @triton.jit
 def _mla_decode_combine(parts_ptr, lse_ptr, out_ptr, heads, splits,
                         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                        R: tl.constexpr, SPLITS: tl.constexpr):
+                        R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
-    s, r = tl.arange(0, SPLITS), tl.arange(0, R)
-    lse = tl.load(lse_ptr + (b * heads + h) * splits + s, mask=s < splits, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + r[None, :],
-                    mask=(s < splits)[:, None], other=0.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, tl.sum(parts * w[:, None], 0).to(out_ptr.dtype.element_ty))
+    lse_row = lse_ptr + (b * heads + h) * splits
+    s = tl.arange(0, SPLITS)
+    lse = tl.load(lse_row + s, mask=s < splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.exp(lse - top), 0)
+    r = tl.arange(0, R)
+    acc = tl.zeros((R,), dtype=tl.float32)
+    for first in range(0, splits, CHUNK):  # a chunk of splits at a time: [CHUNK, R] in registers, not [SPLITS, R]
+        sc = first + tl.arange(0, CHUNK)
+        w = tl.exp(tl.load(lse_row + sc, mask=sc < splits, other=float("-inf")) - top)
+        parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + sc[:, None] * stride_ps + r[None, :],
+                        mask=(w > 0)[:, None], other=0.0)  # empty splits wrote nothing: never read
+        acc += tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, (acc / total).to(out_ptr.dtype.element_ty))
 
 
 def splits_for(batch: int, heads: int, max_context: int) -> int:
-    """How many parts to cut each sequence's context into: enough programs to fill the GPU,
-    none shorter than MIN_SPLIT tokens."""
+    """How many parts each sequence's context may be cut into: enough programs to fill the
+    GPU, none shorter than MIN_SPLIT tokens at max_context, at most MAX_SPLITS."""
     programs = batch * triton.cdiv(heads, BLOCK_H)
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(max_context, MIN_SPLIT)))
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(max_context, MIN_SPLIT), MAX_SPLITS))
 
 
-def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                      c_scale: torch.Tensor | None, k_scale: torch.Tensor | None, block_table: torch.Tensor,
+def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, block_table: torch.Tensor,
                       context_lens: torch.Tensor, block_size: int, max_context: int, scale: float) -> torch.Tensor:
     """softmax(scale (q_lat c_kv^T + q_pe k_pe^T)) c_kv for each sequence over its context:
-    q_lat [B, H, R], q_pe [B, H, DR]; pools c_kv [S, R], k_pe [S, DR] (e4m3 with scales
-    [S, 1], or the activations' dtype); block_table [B, NB], context_lens [B]. -> [B, H, R]."""
+    q_lat [B, H, R], q_pe [B, H, DR]; one layer's pools (read through pools.ptrs);
+    block_table [B, NB], context_lens [B] (no longer than max_context). -> [B, H, R]."""
     batch, heads, rank = q_lat.shape
     splits = splits_for(batch, heads, max_context)
-    split_len = triton.cdiv(triton.cdiv(max_context, splits), BLOCK_N) * BLOCK_N
     parts = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
-    fp8 = c_scale is not None
-    dot = dot_dtype(q_lat.dtype)
     _mla_decode_split[(batch, triton.cdiv(heads, BLOCK_H), splits)](
-        q_lat, q_pe, c_kv, k_pe, c_scale if fp8 else c_kv, k_scale if fp8 else k_pe, block_table, context_lens,
-        parts, lse, heads, scale, split_len,
+        q_lat, q_pe, pools.ptrs, block_table, context_lens, parts, lse, heads, scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
-        R=rank, DR=q_pe.shape[-1], PAGE=block_size, FP8=fp8, DOT=dot, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        R=rank, DR=q_pe.shape[-1], PAGE=block_size, CACHE=TRITON_DTYPES[pools.c_kv.dtype],
+        FP8=pools.c_scale is not None, DOT=dot_dtype(q_lat.dtype), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        MIN_SPLIT=MIN_SPLIT,
         num_warps=8 if rank >= 256 else 4,  # a [BLOCK_H, rank] fp32 accumulator: more threads to hold it
     )
     out = torch.empty_like(q_lat)
     _mla_decode_combine[(batch, heads)](
         parts, lse, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0), out.stride(1),
-        R=rank, SPLITS=triton.next_power_of_2(splits),
+        R=rank, SPLITS=triton.next_power_of_2(splits), CHUNK=min(16, triton.next_power_of_2(splits)),
     )
     return out

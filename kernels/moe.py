@@ -68,6 +68,21 @@ def route_sigmoid(
     return weights * scaling, ids
 
 
+def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+          scoring: str, grouped: bool, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k]) of x [T, D] through the gate [E, D]: V3's
+    route_sigmoid (scoring "sigmoid", with the correction bias) or V2's route_softmax. On a
+    GPU the gate product and all the routing in two Triton launches (fused_router.py)."""
+    if x.is_cuda:
+        from preload.kernels.fused_router import fused_route  # Triton: imported only where there is a GPU
+
+        return fused_route(x, gate, bias, top_k, n_group, topk_group, scoring, grouped, norm_topk_prob, scaling)
+    logits = F.linear(x.float(), gate.float())
+    if scoring == "sigmoid":
+        return route_sigmoid(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+    return route_softmax(logits, top_k, n_group, topk_group, grouped, norm_topk_prob, scaling)
+
+
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x): the feed-forward of every dense layer and expert."""
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)

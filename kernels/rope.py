@@ -78,3 +78,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_qk(q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+            interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries q_pe [T, H, dr] and the shared key k_pe [T, dr] rotated to positions [T]: on a
+    GPU in one Triton launch (fused_rope.py, cos and sin made in it), elsewhere as here."""
+    if q_pe.is_cuda:
+        from preload.kernels.fused_rope import fused_rope_qk  # Triton: imported only where there is a GPU
+
+        return fused_rope_qk(q_pe, k_pe, positions, inv_freq, scale, interleaved)
+    cos, sin = rope_cos_sin(positions, inv_freq, scale)
+    return apply_rope(q_pe, cos[:, None], sin[:, None], interleaved), apply_rope(k_pe, cos, sin, interleaved)

@@ -176,6 +176,9 @@ class Daemon:
                 api = self._listen("API", o.host, o.port)
             self._install_signal_handlers()
             if o.workers:
+                # Workers compile their Triton kernels once per state dir, not once per start:
+                # the cache lives beside the sockets, as private as they are.
+                os.environ.setdefault("TRITON_CACHE_DIR", str(o.state_dir / "triton"))
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for)

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from preload.kernels.attention import Pools
 from preload.kernels.fp8 import FP8, FP8_MAX
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def with_ptrs(pools: Pools) -> Pools:
+    """The pools with their addresses where the kernels read them (on the device)."""
+    return pools._replace(ptrs=torch.tensor(pools.addresses(), dtype=torch.long, device=DEVICE))
+
+
+def as_float(pools: Pools) -> Pools:
+    """The pools in float32, for the references."""
+    return Pools(*(p.float() if p is not None else None for p in pools[:4]))
 
 
 def paged_case(lens: list[int], heads: int, rank: int, rope: int, page: int, fp8: bool, seed: int = 0):
@@ -25,9 +36,9 @@ def paged_case(lens: list[int], heads: int, rank: int, rope: int, page: int, fp8
         for x in (c_kv, k_pe):
             scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
             pools.append(((x / scale).to(FP8).to(DEVICE), scale.to(DEVICE)))
-        pools = (pools[0][0], pools[1][0], pools[0][1], pools[1][1])
+        pools = with_ptrs(Pools(pools[0][0], pools[1][0], pools[0][1], pools[1][1]))
     else:
-        pools = (c_kv.to(torch.bfloat16).to(DEVICE), k_pe.to(torch.bfloat16).to(DEVICE), None, None)
+        pools = with_ptrs(Pools(c_kv.to(torch.bfloat16).to(DEVICE), k_pe.to(torch.bfloat16).to(DEVICE)))
     q_lat = torch.randn(len(lens), heads, rank, generator=gen).to(torch.bfloat16).to(DEVICE)
     q_pe = torch.randn(len(lens), heads, rope, generator=gen).to(torch.bfloat16).to(DEVICE)
     table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)

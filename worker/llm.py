@@ -15,6 +15,7 @@ from preload.checkpoint.reader import load_checkpoint, resolve_device, resolve_d
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
+from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.engine import Engine
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class LLM:
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
+        self.graphs: DecodeGraphs | None = None
         engine = engine or EngineOptions()
         if engine.kv_cache_memory is None:
             engine = replace(engine, kv_cache_memory=CPU_KV_CACHE_BYTES)  # auto, in-process: a fixed budget
@@ -68,9 +70,19 @@ class LLM:
 
     def start_engine(self, config: EngineOptions) -> None:
         """(Re)build the engine and its KV cache (config.kv_cache_memory in bytes); the
-        old engine's cache is freed first."""
+        old engine's cache is freed first. On a GPU, unless config.enforce_eager, the
+        decode steps are captured as CUDA graphs the first time, and kept for later
+        engines of the same cache layout (only their cache's addresses change)."""
         self.engine = None
-        self.engine = Engine(self.model, self.tokenizer, config, self.device)
+        graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.graphs is None or not self.graphs.serves(config.block_size, config.kv_cache_dtype):
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.block_size, config.kv_cache_dtype,
+                                           self.device)
+            graphs = self.graphs
+        self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs)
+        if graphs is not None and not graphs.graphs:
+            graphs.capture(self.engine.cache, self.engine.scratch_block)
         self.stop_ids = self.engine.stop_ids
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:

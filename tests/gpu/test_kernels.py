@@ -42,14 +42,14 @@ def test_fused_moe_at_v2_lite_shapes(quant, tokens):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("lens", [[1, 1000, 8192], [4096] * 32])
 def test_mla_decode_at_real_shapes(heads, fp8, lens):
-    from kernel_cases import paged_case
+    from kernel_cases import as_float, paged_case
 
     from preload.kernels.attention import mla_decode_reference
     from preload.kernels.mla_decode import mla_decode_latent
 
     q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, 512, 64, 16, fp8)
     scale = 192**-0.5
-    got = mla_decode_latent(q_lat, q_pe, *pools, table, ctx, 16, max(lens), scale).float()
-    want = mla_decode_reference(q_lat.float(), q_pe.float(), tuple(p.float() if p is not None else None for p in pools),
+    got = mla_decode_latent(q_lat, q_pe, pools, table, ctx, 16, max(lens), scale).float()
+    want = mla_decode_reference(q_lat.float(), q_pe.float(), as_float(pools),
                                 table, ctx, 16, max(lens), scale)
     assert (got - want).abs().max() < 3e-2 * want.abs().max()

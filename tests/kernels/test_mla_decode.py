@@ -10,7 +10,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_cases import DEVICE, paged_case  # noqa: E402
+from kernel_cases import DEVICE, as_float, paged_case  # noqa: E402
 
 from preload.kernels.attention import mla_decode, mla_decode_reference  # noqa: E402
 from preload.kernels.mla_decode import mla_decode_latent, splits_for  # noqa: E402
@@ -21,8 +21,8 @@ from preload.kernels.mla_decode import mla_decode_latent, splits_for  # noqa: E4
 def test_the_kernel_equals_gathering_the_context(lens, heads, fp8):
     rank, rope, page, scale = 64, 16, 16, 0.1
     q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, rank, rope, page, fp8)
-    got = mla_decode_latent(q_lat, q_pe, *pools, table, ctx, page, max(lens), scale)
-    want = mla_decode_reference(q_lat.float(), q_pe.float(), tuple(p.float() if p is not None else None for p in pools),
+    got = mla_decode_latent(q_lat, q_pe, pools, table, ctx, page, max(lens), scale)
+    want = mla_decode_reference(q_lat.float(), q_pe.float(), as_float(pools),
                                 table, ctx, page, max(lens), scale)
     assert got.shape == q_lat.shape and not got.isnan().any()
     assert torch.allclose(got.float(), want, atol=3e-2, rtol=3e-2), (got.float() - want).abs().max()
@@ -30,8 +30,21 @@ def test_the_kernel_equals_gathering_the_context(lens, heads, fp8):
 
 def test_long_contexts_are_split_and_short_ones_are_not():
     assert splits_for(batch=1, heads=16, max_context=8192) > 1
-    assert splits_for(batch=1, heads=16, max_context=100) == 1
+    assert splits_for(batch=1, heads=16, max_context=60) == 1
     assert splits_for(batch=256, heads=16, max_context=8192) == 2  # the batch alone fills the GPU
+    assert splits_for(batch=1, heads=16, max_context=1 << 20) == 128  # bounded, whatever the context
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_splits_sized_for_a_longer_context_than_any_give_the_same_answer(fp8):
+    """A CUDA graph sizes the split count for the longest context the model takes; each
+    sequence cuts its own context into at most that many parts, on the device, and the
+    splits past its end stay empty (never read: their partials are poisoned here)."""
+    lens, heads, rank, rope, page = [1, 700, 33], 16, 64, 16, 16
+    q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, rank, rope, page, fp8, seed=5)
+    got = mla_decode_latent(q_lat, q_pe, pools, table, ctx, page, 1 << 17, 0.1)
+    want = mla_decode_reference(q_lat.float(), q_pe.float(), as_float(pools), table, ctx, page, max(lens), 0.1)
+    assert torch.allclose(got.float(), want, atol=3e-2, rtol=3e-2), (got.float() - want).abs().max()
 
 
 def test_mla_decode_through_the_absorbed_weights_equals_the_reference_path():
@@ -44,7 +57,7 @@ def test_mla_decode_through_the_absorbed_weights_equals_the_reference_path():
     w_uv = (torch.randn(heads, dv, rank, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE)
     got = mla_decode(q_nope, q_pe, w_uk, w_uv, pools, table, ctx, page, max(lens), 0.1)
     q = torch.einsum("bhd,hdr->bhr", q_nope.float(), w_uk.float())
-    ref = mla_decode_reference(q, q_pe.float(), tuple(p.float() if p is not None else None for p in pools), table, ctx,
+    ref = mla_decode_reference(q, q_pe.float(), as_float(pools), table, ctx,
                                page, max(lens), 0.1)
     want = torch.einsum("bhr,hvr->bhv", ref, w_uv.float())
     assert got.shape == (len(lens), heads, dv)

@@ -26,8 +26,8 @@ from daemons import running_daemon, wait_for
 from safetensors.torch import load_file
 
 from preload import LLM, attach
-from preload.ipc.memfd import MEMFD_SEALS
 from preload.ipc.client import DaemonClient
+from preload.ipc.memfd import MEMFD_SEALS
 
 QUANTS = ("none", "fp8_per_tensor", "fp8_block")
 

@@ -32,8 +32,8 @@ from workers import running_workers, spawn_worker, sse_data, stop_worker
 
 from preload import BUNDLED_MODEL, LLM
 from preload.checkpoint.config import ModelConfig
-from preload.worker.model.kv_cache import bytes_per_token
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.worker.model.kv_cache import bytes_per_token
 
 SMALL_BLOCKS, SMALL_BLOCK_SIZE = 24, 4
 SERVED_NAME = "tiny-served"

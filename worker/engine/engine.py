@@ -15,6 +15,7 @@ import torch
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.options import EngineOptions
 from preload.worker.engine.block_manager import BlockManager
+from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.output import Output
@@ -37,9 +38,12 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
+                 graphs: DecodeGraphs | None = None):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
-        the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default)."""
+        the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
+        `graphs` (captured or to be captured against this engine's cache), decode steps
+        that fit them are replayed."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
@@ -50,7 +54,11 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"kv cache budget of {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.cache = LatentCache(cfg.num_layers, num_blocks * config.block_size, cfg, dtype, device, config.kv_cache_dtype)
+        # One block more than the manager hands out: the scratch block that a graph's padding rows use.
+        self.scratch_block = num_blocks
+        self.graphs = graphs
+        self.cache = LatentCache(cfg.num_layers, (num_blocks + 1) * config.block_size, cfg, dtype, device,
+                                 config.kv_cache_dtype, ptrs=graphs.cache_ptrs if graphs else None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
         self.special_ids = tokenizer.special_ids
@@ -105,10 +113,6 @@ class Engine:
             return []
         dev = self.device
         spans = [(seq, seq.computed, n) for seq, n in batch]
-        tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
-        meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
-        hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
-
         # Logits only where needed: each sequence's last row when its pending tokens are
         # all in, and every row of a prompt that is being scored.
         row, rows, wanted = 0, [], []
@@ -121,7 +125,13 @@ class Engine:
             row += n
         # Log-probs stay on the device: only sampled ids, and the log-probs a request asked
         # for, come to the host.
-        logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1)
+        if self.graphs is not None and self.graphs.fits(spans):
+            logprobs = self.graphs.replay(spans, self.scratch_block)  # one row per sequence: rows are 0..B-1
+        else:
+            tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
+            meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
+            hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
+            logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1)
 
         outputs, advancing = [], []  # advancing: (sequence, its row) of those that sample a token
         for (seq, start, n), (first, scoring) in zip(spans, wanted):

@@ -18,13 +18,14 @@ from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.shapes import mtp_layer_index
 from preload.kernels.attention import absorbed_weights, mla_decode, mla_expanded
 from preload.kernels.linear import dense, linear, linear_weight
-from preload.kernels.moe import route_sigmoid, route_softmax, routed_experts, swiglu
-from preload.kernels.norm import rms_norm
+from preload.kernels.moe import route, routed_experts, swiglu
+from preload.kernels.norm import add_rms_norm, rms_norm
 from preload.kernels.quant import BLOCK, Weight
-from preload.kernels.rope import apply_rope, rope_cos_sin, rope_frequencies, softmax_scale
+from preload.kernels.rope import rope_frequencies, rope_qk, softmax_scale
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
 Weights = Mapping[str, torch.Tensor]
+Rope = tuple[torch.Tensor, float]  # the rotary inverse frequencies (on the model's device) and YaRN's scale
 
 
 def _proj(cfg: ModelConfig, w: Weights, name: str) -> Weight:
@@ -62,15 +63,8 @@ class MoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        logits = F.linear(x.float(), self.gate.float())
-        if c.scoring_func == "sigmoid":
-            return route_sigmoid(
-                logits, self.bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor
-            )
-        grouped = c.topk_method == "group_limited_greedy"
-        return route_softmax(
-            logits, c.num_experts_per_tok, c.n_group, c.topk_group, grouped, c.norm_topk_prob, c.routed_scaling_factor
-        )
+        return route(x, self.gate, self.bias, c.num_experts_per_tok, c.n_group, c.topk_group, c.scoring_func,
+                     c.topk_method == "group_limited_greedy", c.norm_topk_prob, c.routed_scaling_factor)
 
     def stacked(self) -> tuple:
         """Every expert's gate, up and down as one [E, ...] view each (the GPU kernels' form);
@@ -112,21 +106,16 @@ class Attention:
             self._kv_b = dense(self.kv_b, dtype)
         return self._kv_b
 
-    def __call__(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMeta, cache: LatentCache
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
         c = self.cfg
-        cos, sin = rope
         if c.q_lora_rank:
             q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps), self.q_b)
         else:
             q = linear(x, self.q)
         q_nope, q_pe = q.unflatten(-1, (c.num_heads, c.qk_head_dim)).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
-        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], c.rope.interleaved)
-
         c_kv, k_pe = linear(x, self.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = rms_norm(c_kv, self.kv_a_norm, c.rms_norm_eps)
-        k_pe = apply_rope(k_pe, cos, sin, c.rope.interleaved)
+        q_pe, k_pe = rope_qk(q_pe, k_pe, meta.positions, *rope, c.rope.interleaved)
         cache.write(self.layer, meta.slots, c_kv, k_pe)
 
         if meta.is_decode:  # one token per sequence, in order: attend over the paged cache as it is
@@ -134,6 +123,14 @@ class Attention:
             out = mla_decode(q_nope, q_pe, *w_uk_uv, cache.pools(self.layer), meta.block_table,
                              meta.context_lens, meta.block_size, meta.max_context, self.scale)
             return linear(out.flatten(1), self.o)
+        if x.is_cuda:  # flash-style over the paged cache, a chunk of context at a time: memory O(chunk)
+            from preload.kernels.mla_prefill import mla_prefill  # Triton: imported only where there is a GPU
+
+            out = mla_prefill(q_nope, q_pe, self.kv_b_dense(x.dtype), cache.pools(self.layer), meta.block_table,
+                              meta.context_lens, meta.q_starts, meta.block_size, meta.max_context, meta.max_q,
+                              self.scale, context_tokens=meta.context_tokens)
+            return linear(out.flatten(1), self.o)
+        # The CPU's (and training's, which autograd follows) form: gather each context, mask [B, Q, K].
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
         out = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(x.dtype),
                            meta.mask, self.scale)
@@ -151,9 +148,9 @@ class Block:
         self.ffn_norm = w[f"{p}.post_attention_layernorm.weight"]
         self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(cfg, w, f"{p}.mlp")
 
-    def __call__(self, x: torch.Tensor, rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, meta, cache)
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+    def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
+        h, x = add_rms_norm(self.attn(rms_norm(x, self.attn_norm, self.eps), rope, meta, cache), x, self.ffn_norm, self.eps)
+        return x + self.ffn(h)
 
 
 class MTP:
@@ -182,21 +179,22 @@ class Transformer:
         self.head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         has_mtp = cfg.num_mtp_layers > 0 and f"model.layers.{mtp_layer_index(cfg)}.eh_proj.weight" in weights
         self.mtp = MTP(cfg, weights) if has_mtp else None
-        self.inv_freq, self.rope_scale = rope_frequencies(cfg.rope, cfg.qk_rope_head_dim)
+        inv_freq, self.rope_scale = rope_frequencies(cfg.rope, cfg.qk_rope_head_dim)
+        self.inv_freq = inv_freq.to(self.embed.device)  # once: a copy from the host in a step would wait for the device
 
     @property
     def num_cache_layers(self) -> int:
         return self.cfg.num_layers + (1 if self.mtp else 0)
 
-    def _rope(self, meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(meta.positions, self.inv_freq, self.rope_scale)
+    @property
+    def rope(self) -> Rope:
+        return self.inv_freq, self.rope_scale
 
     def forward(self, tokens: torch.Tensor, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
         """Final-normed hidden states [T, D] for a flat batch of tokens [T]."""
         x = self.embed[tokens]
-        rope = self._rope(meta)
         for block in self.layers:
-            x = block(x, rope, meta, cache)
+            x = block(x, self.rope, meta, cache)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,5 +208,5 @@ class Transformer:
         assert m is not None, "this checkpoint has no MTP layer"
         e = rms_norm(self.embed[next_tokens], m.enorm, m.eps)
         h = rms_norm(hidden, m.hnorm, m.eps)
-        x = m.block(F.linear(torch.cat([e, h], dim=-1), m.eh_proj), self._rope(meta), meta, cache)
+        x = m.block(F.linear(torch.cat([e, h], dim=-1), m.eh_proj), self.rope, meta, cache)
         return self.logits(rms_norm(x, m.norm, m.eps))

@@ -16,8 +16,8 @@ from functools import cached_property
 import torch
 
 from preload.checkpoint.config import ModelConfig
-from preload.kernels.attention import paged_slots
-from preload.kernels.fp8 import FP8, FP8_MAX
+from preload.kernels.attention import Pools, paged_slots, write_latents
+from preload.kernels.fp8 import FP8
 
 
 def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -55,9 +55,15 @@ def kv_cache_share(cfg: ModelConfig, device: torch.device, weight_bytes: int, ma
 
 class LatentCache:
     """Per-layer slot pools. With kv_cache_dtype "fp8" each cached vector is stored in
-    e4m3 with its own float32 scale (per token), and dequantized when read."""
+    e4m3 with its own float32 scale (per token), and dequantized when read.
 
-    def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device, kv_cache_dtype: str = "auto"):
+    On a GPU the pools' addresses are also kept on the device (`ptrs`, [layers, 4] int64),
+    where the kernels read them. A caller that captures CUDA graphs passes its own `ptrs`
+    tensor, so that a new cache (a worker's real one after its warm-up) only rewrites the
+    addresses the graphs read."""
+
+    def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device,
+                 kv_cache_dtype: str = "auto", ptrs: torch.Tensor | None = None):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
         self.dtype, self.fp8 = dtype, kv_cache_dtype == "fp8"
@@ -68,24 +74,21 @@ class LatentCache:
             return [torch.zeros(num_slots, width, dtype=dtype, device=device) for _ in range(num_layers)]
 
         self.c_kv, self.k_pe = pools(cfg.kv_lora_rank, store), pools(cfg.qk_rope_head_dim, store)
-        if self.fp8:
-            self.c_kv_scale, self.k_pe_scale = pools(1, torch.float32), pools(1, torch.float32)
+        none = [None] * num_layers
+        self.c_kv_scale, self.k_pe_scale = (pools(1, torch.float32), pools(1, torch.float32)) if self.fp8 else (none, none)
+        self.ptrs = None
+        if torch.device(device).type == "cuda":
+            self.ptrs = ptrs if ptrs is not None else torch.empty(num_layers, 4, dtype=torch.long, device=device)
+            addresses = [Pools(*layer).addresses() for layer in zip(self.c_kv, self.k_pe, self.c_kv_scale, self.k_pe_scale)]
+            self.ptrs.copy_(torch.tensor(addresses, dtype=torch.long))
+
+    def pools(self, layer: int) -> Pools:
+        """One layer's pools, as the attention kernels take them."""
+        ptrs = self.ptrs[layer] if self.ptrs is not None else None
+        return Pools(self.c_kv[layer], self.k_pe[layer], self.c_kv_scale[layer], self.k_pe_scale[layer], ptrs)
 
     def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
-        if self.fp8:
-            for pool, scales, x in ((self.c_kv, self.c_kv_scale, c_kv), (self.k_pe, self.k_pe_scale, k_pe)):
-                scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-                pool[layer][slots] = (x.float() / scale).to(FP8)
-                scales[layer][slots] = scale
-            return
-        self.c_kv[layer][slots] = c_kv.to(self.dtype)
-        self.k_pe[layer][slots] = k_pe.to(self.dtype)
-
-    def pools(self, layer: int) -> tuple:
-        """(c_kv, k_pe, their scales or None, None) of one layer, as `mla_decode` takes them."""
-        if self.fp8:
-            return self.c_kv[layer], self.k_pe[layer], self.c_kv_scale[layer], self.k_pe_scale[layer]
-        return self.c_kv[layer], self.k_pe[layer], None, None
+        write_latents(self.pools(layer), slots, c_kv, k_pe)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp8:
@@ -102,6 +105,8 @@ class AttentionMeta:
     sequences, each attending to its context in the paged latent cache.
 
     positions [T], slots [T]: position and cache slot of each new token.
+    q_starts [B + 1]: sequence b's new tokens are rows q_starts[b] .. q_starts[b+1]-1.
+    context_tokens: the contexts' lengths summed, on the host (the chunked prefill's count).
     q_index [B, Q], q_valid [B, Q]: the flat index of each sequence's new tokens, padded.
     block_table [B, NB] (int32): each sequence's cache blocks, block_size slots each.
     context_lens [B] (int32): tokens in each context, the new ones included.
@@ -111,6 +116,8 @@ class AttentionMeta:
 
     positions: torch.Tensor
     slots: torch.Tensor
+    q_starts: torch.Tensor
+    context_tokens: int
     q_index: torch.Tensor
     q_valid: torch.Tensor
     block_table: torch.Tensor
@@ -145,7 +152,7 @@ class AttentionMeta:
         width = max(len(b) for _, _, b in seqs)
         positions = [p for s, n, _ in seqs for p in range(s, s + n)]
         slots = [blocks[p // block_size] * block_size + p % block_size for s, n, blocks in seqs for p in range(s, s + n)]
-        offsets = list(itertools.accumulate(counts, initial=0))[:-1]
+        offsets = list(itertools.accumulate(counts, initial=0))
         q_index = [[o + i if i < n else 0 for i in range(max_q)] for o, n in zip(offsets, counts)]
 
         def tensor(values, dtype=torch.long):
@@ -153,6 +160,6 @@ class AttentionMeta:
 
         q_valid = torch.arange(max_q, device=device) < tensor(counts)[:, None]
         table = tensor([b + [0] * (width - len(b)) for _, _, b in seqs], torch.int32)
-        lens = tensor([s + n for s, n, _ in seqs], torch.int32)
-        return cls(tensor(positions), tensor(slots), tensor(q_index), q_valid, table, lens, tensor(starts), block_size,
-                   max_q, max_context)
+        lens = [s + n for s, n, _ in seqs]
+        return cls(tensor(positions), tensor(slots), tensor(offsets), sum(lens), tensor(q_index), q_valid, table,
+                   tensor(lens, torch.int32), tensor(starts), block_size, max_q, max_context)

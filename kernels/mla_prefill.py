@@ -1,0 +1,184 @@
+"""MLA prefill on the GPU (Triton): flash attention of a step's new tokens against their
+contexts in the paged latent cache, one chunk of context at a time. prefill.py explains
+the chunking and holds the torch form it is tested against (`mla_prefill_reference`).
+
+For each chunk of the flat context order, torch gathers and dequantizes the chunk's
+latents and up-projects them to keys and values (one GEMM, into one buffer reused by
+every chunk); then `_prefill_chunk` runs every query of the batch against the chunk's
+keys of its own sequence. A program takes BLOCK_M consecutive new tokens of one sequence
+and one head (the expanded form's keys differ per head, so heads do not share tiles);
+the query-key dot is two dots, q_nope . k_nope + q_pe . k_pe, since dn + dr (192) is no
+power of two. Only key tiles at or before the tile's last query position are visited;
+those wholly before its first query skip the causal mask (by absolute position in the
+sequence), which only the tiles on the diagonal need. The softmax runs in base 2.
+
+The online softmax state (running max, sum, weighted values; float32) lives in buffers
+between chunks. A program whose sequence begins in this chunk starts it fresh: every
+query sees position 0, so a sequence begun in an earlier chunk has state in every row.
+One with no keys in the chunk touches nothing, except in the last chunk's launch, where
+every program divides its rows out into `out`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from preload.kernels.prefill import CHUNK, chunk_latents, context_starts, flat_context_length
+from preload.kernels.triton_dot import INTERPRETING, dot_dtype
+
+# Tiles on the GPU: 128 new tokens x 64 keys, 8 warps, 3 stages: the fastest of those
+# timed on an H200 (a 16k prompt, V2-Lite: 413 TFLOP/s against 358 for 64 x 64, 4
+# warps, 2 stages; 325 for 128 x 32). In the interpreter the smallest tiles a dot takes,
+# so that the tests' small cases span several tiles, and numpy gets through them faster.
+BLOCK_M = 16 if INTERPRETING else 128  # new tokens per program
+BLOCK_N = 16 if INTERPRETING else 64  # keys per step of its loop
+NUM_WARPS = 8
+NUM_STAGES = 3
+LOG2_E = 1.4426950408889634  # the softmax in base 2: exp2 is the hardware's
+
+
+@triton.jit
+def _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
+            stride_kv, stride_kp, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, PN: tl.constexpr,
+            PR: tl.constexpr, PV: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """BLOCK_N keys from flat index `start` into the running softmax (in base 2). Without
+    CAUSAL every row sees every key of the tile: it lies below the diagonal, inside the range."""
+    key = start + tl.arange(0, BLOCK_N)
+    live_k = key < k_hi
+    row = (key - lo).to(tl.int64)  # its row in the chunk's buffers
+    dn, dr, dv = tl.arange(0, PN), tl.arange(0, PR), tl.arange(0, PV)
+    k_nope = tl.load(kv_ptr + row[:, None] * stride_kv + head + dn[None, :],
+                     mask=live_k[:, None] & (dn < DN)[None, :], other=0.0)
+    k_pe = tl.load(k_pe_ptr + row[:, None] * stride_kp + dr[None, :], mask=live_k[:, None] & (dr < DR)[None, :],
+                   other=0.0)
+    v = tl.load(kv_ptr + row[:, None] * stride_kv + head + DN + dv[None, :], mask=live_k[:, None] & (dv < DV)[None, :],
+                other=0.0)
+    s = (tl.dot(q_nope, tl.trans(k_nope.to(DOT))) + tl.dot(q_pe, tl.trans(k_pe.to(DOT)))) * qk_scale
+    if CAUSAL:
+        s = tl.where(live_k[None, :] & ((key - k0)[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+
+
+@triton.jit
+def _prefill_chunk(
+    q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, q_starts_ptr, kv_starts_ptr, lens_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    lo, hi, qk_scale,
+    stride_nt, stride_nh, stride_pt, stride_ph, stride_kv, stride_kp, stride_st, stride_at, stride_ah,
+    stride_ot, stride_oh,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, PN: tl.constexpr, PR: tl.constexpr, PV: tl.constexpr,
+    FINAL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(2)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles (longest loops) start first
+    q0 = tl.load(q_starts_ptr + b)
+    n = tl.load(q_starts_ptr + b + 1) - q0
+    if tile * BLOCK_M >= n:
+        return
+    ctx = tl.load(lens_ptr + b)
+    k0 = tl.load(kv_starts_ptr + b)  # flat index of the sequence's position 0
+    first = ctx - n + tile * BLOCK_M  # position of the tile's first new token
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live_q = rows < n
+    q_pos = first + tl.arange(0, BLOCK_M)
+    # This tile's keys in this chunk: its sequence's, up to its last query's position.
+    k_lo = tl.maximum(k0, lo)
+    k_hi = tl.minimum(k0 + ctx - n + tl.minimum(tile * BLOCK_M + BLOCK_M, n), hi)
+    touched = k_hi > k_lo
+    fresh = k0 >= lo
+
+    t = (q0 + rows).to(tl.int64)
+    dn, dr, dv = tl.arange(0, PN), tl.arange(0, PR), tl.arange(0, PV)
+    # Rows whose state an earlier chunk left, read if this launch uses it. (Scalar
+    # conditions join row masks through tl.where: the interpreter's `&` of the two
+    # makes no boolean mask.)
+    state = tl.where(fresh, False, live_q)
+    if not FINAL:
+        state = tl.where(touched, state, False)
+    m = tl.load(m_ptr + t * stride_st + h, mask=state, other=float("-inf"))
+    l = tl.load(l_ptr + t * stride_st + h, mask=state, other=0.0)
+    acc_at = acc_ptr + t[:, None] * stride_at + h * stride_ah + dv[None, :]
+    acc = tl.load(acc_at, mask=state[:, None] & (dv < DV)[None, :], other=0.0)
+
+    if touched:
+        q_nope = tl.load(q_nope_ptr + t[:, None] * stride_nt + h * stride_nh + dn[None, :],
+                         mask=live_q[:, None] & (dn < DN)[None, :], other=0.0).to(DOT)
+        q_pe = tl.load(q_pe_ptr + t[:, None] * stride_pt + h * stride_ph + dr[None, :],
+                       mask=live_q[:, None] & (dr < DR)[None, :], other=0.0).to(DOT)
+        head = h * (DN + DV)  # this head's [k_nope | v] columns in a row of the chunk's buffer
+        # Whole tiles of keys at or before the tile's first query are seen by every row: no
+        # mask. The rest, up to the last query, straddle the diagonal.
+        below = tl.maximum(tl.minimum(k_hi, k0 + first + 1) - k_lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(k_lo, k_lo + below, BLOCK_N):
+            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
+                                stride_kv, stride_kp, DN, DR, DV, PN, PR, PV, DOT, BLOCK_N, CAUSAL=False)
+        for start in range(k_lo + below, k_hi, BLOCK_N):
+            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
+                                stride_kv, stride_kp, DN, DR, DV, PN, PR, PV, DOT, BLOCK_N, CAUSAL=True)
+
+    if FINAL:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live_q[:, None] & (dv < DV)[None, :])
+    else:
+        keep = tl.where(touched, live_q, False)
+        tl.store(m_ptr + t * stride_st + h, m, mask=keep)
+        tl.store(l_ptr + t * stride_st + h, l, mask=keep)
+        tl.store(acc_at, acc, mask=keep[:, None] & (dv < DV)[None, :])
+
+
+def _state_buffers(rows: int, heads: int, dv: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Running max, sum [T, H] and weighted values [T, H, dv] (float32), uninitialized:
+    each row is written before it is read."""
+    m, l = (torch.empty(rows, heads, dtype=torch.float32, device=device) for _ in range(2))
+    return m, l, torch.empty(rows, heads, dv, dtype=torch.float32, device=device)
+
+
+def _tile(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))  # a power of two, and at least what a dot takes
+
+
+def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, pools: tuple,
+                block_table: torch.Tensor, context_lens: torch.Tensor, q_starts: torch.Tensor,
+                block_size: int, max_context: int, max_q: int, scale: float, chunk: int = CHUNK, *,
+                out: torch.Tensor | None = None, context_tokens: int | None = None) -> torch.Tensor:
+    """Causal MLA of T new tokens against their contexts in the paged cache: arguments and
+    result as for `prefill.mla_prefill_reference`. -> [T, H, dv] in q_nope's dtype."""
+    rows, heads, dn = q_nope.shape
+    dr = q_pe.shape[-1]
+    dv = kv_b.shape[0] // heads - dn
+    if out is None:
+        out = q_nope.new_empty(rows, heads, dv)
+    assert out.shape == (rows, heads, dv) and out.stride(-1) == 1, "out: [T, H, dv], rows contiguous"
+    batch = context_lens.numel()
+    total = flat_context_length(context_lens, max_context, context_tokens)
+    if rows == 0 or batch == 0 or total == 0:
+        return out
+    q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
+    kv_starts = context_starts(context_lens)
+    q_starts, lens = q_starts.long(), context_lens.long()
+    m, l, acc = _state_buffers(rows, heads, dv, q_nope.device)
+    chunk = min(chunk, total)
+    kv = q_nope.new_empty(chunk, heads * (dn + dv))  # one buffer for every chunk's keys and values
+    kv_b_t = kv_b.t()
+    grid = (batch, triton.cdiv(max_q, BLOCK_M), heads)
+    for lo in range(0, total, chunk):
+        hi = min(lo + chunk, total)
+        c, k_pe, _, _ = chunk_latents(pools, block_table, kv_starts, lo, hi, block_size, q_nope.dtype)
+        torch.matmul(c, kv_b_t, out=kv[: hi - lo])
+        del c
+        _prefill_chunk[grid](
+            q_nope, q_pe, kv, k_pe, q_starts, kv_starts, lens, m, l, acc, out, lo, hi, scale * LOG2_E,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), k_pe.stride(0),
+            m.stride(0), acc.stride(0), acc.stride(1), out.stride(0), out.stride(1),
+            DN=dn, DR=dr, DV=dv, PN=_tile(dn), PR=_tile(dr), PV=_tile(dv), FINAL=hi == total,
+            DOT=dot_dtype(q_nope.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
+    return out

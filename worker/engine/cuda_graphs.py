@@ -1,0 +1,124 @@
+"""Decode steps as CUDA graphs: the whole forward, the output head and the log-softmax
+of a batch of one-token sequences, captured once per batch size bucket and replayed.
+
+An eager decode step launches about a thousand kernels, and on a GPU as fast as an
+H200 launching them takes longer than running them. A replay launches them all at once.
+
+What a graph bakes in is addresses, so everything that changes between steps lives in
+buffers of fixed address that each step fills before the replay: the tokens, positions,
+cache slots and context lengths ([4, max batch] int64) and the block tables ([max batch,
+blocks of the longest context] int32). A batch is padded up to its bucket with rows that
+read and write only a scratch block of the cache, which the engine never hands out. The
+cache itself is found through its pointer table (LatentCache.ptrs), which the graphs own:
+a worker captures against its small warm-up cache, and its real cache, allocated when it
+takes a slot, writes its addresses into the same table. No context length is baked in
+either: the attention kernel sizes each sequence's splits on the device (mla_decode.py).
+
+Sampling stays outside: it is per request (generators, top-p, penalties) and small.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from preload.checkpoint.config import ModelConfig
+from preload.worker.model.deepseek import Transformer
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The batch sizes captured: BUCKETS up to max_batch, and max_batch itself."""
+    return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model for one cache layout (block size, cache
+    dtype): capture() once, with an engine's cache bound to `cache_ptrs`; then
+    replay() for any batch of one new token per sequence that fits."""
+
+    def __init__(self, model: Transformer, max_batch: int, block_size: int, kv_cache_dtype: str, device: torch.device):
+        cfg: ModelConfig = model.cfg
+        self.model, self.block_size, self.kv_cache_dtype = model, block_size, kv_cache_dtype
+        self.sizes = bucket_sizes(max_batch)
+        self.width = -(-cfg.max_position_embeddings // block_size)  # blocks of the longest context
+        self.cache_ptrs = torch.zeros(cfg.num_layers, 4, dtype=torch.long, device=device)
+        n = self.sizes[-1]
+        self.ids = torch.zeros(4, n, dtype=torch.long, device=device)  # tokens, positions, slots, context lengths
+        self.table = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        # The host side of the same: filled in place, copied in at most two transfers a step.
+        # (The step after reads its tokens from the host, so a copy never overlaps the next fill.)
+        self.host_ids = torch.zeros(4, n, dtype=torch.long).pin_memory()
+        self.host_table = torch.zeros(n, self.width, dtype=torch.int32).pin_memory()
+        self._ids_np, self._table_np = self.host_ids.numpy(), self.host_table.numpy()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def serves(self, block_size: int, kv_cache_dtype: str) -> bool:
+        return (block_size, kv_cache_dtype) == (self.block_size, self.kv_cache_dtype)
+
+    def fits(self, batch: list[tuple]) -> bool:
+        """Whether a step of (sequence, start, n) spans can be replayed: one new token each,
+        few enough sequences, every context within the table."""
+        return (len(batch) <= self.sizes[-1] and all(n == 1 for _, _, n in batch)
+                and all(len(seq.blocks) <= self.width for seq, _, _ in batch))
+
+    def _meta(self, size: int) -> AttentionMeta:
+        tokens, positions, slots, lens = self.ids[:, :size]
+        empty = torch.empty(size, 1, dtype=torch.long, device=self.ids.device)  # prefill's fields: unused in decode
+        return AttentionMeta(positions, slots, empty, 0, empty, empty.bool(), self.table[:size], lens, positions,
+                             self.block_size, max_q=1, max_context=self.width * self.block_size)
+
+    def _step(self, size: int, cache: LatentCache) -> torch.Tensor:
+        hidden = self.model.forward(self.ids[0, :size], self._meta(size), cache)
+        return self.model.logits(hidden).log_softmax(-1)
+
+    def _fill(self, rows: list[tuple[int, int, list[int]]], size: int, scratch_block: int) -> None:
+        """rows: (token, position, blocks) of each sequence; the rest of `size` is padding."""
+        ids, table, bs = self._ids_np, self._table_np, self.block_size
+        width = 1
+        for i, (token, pos, blocks) in enumerate(rows):
+            ids[:, i] = (token, pos, blocks[pos // bs] * bs + pos % bs, pos + 1)
+            table[i, : len(blocks)] = blocks
+            width = max(width, len(blocks))
+        ids[:, len(rows) : size] = ((0,), (0,), (scratch_block * bs,), (1,))
+        table[len(rows) : size, 0] = scratch_block
+        self.ids[:, :size].copy_(self.host_ids[:, :size], non_blocking=True)
+        self.table[:size, :width].copy_(self.host_table[:size, :width], non_blocking=True)
+
+    @torch.inference_mode()
+    def capture(self, cache: LatentCache, scratch_block: int) -> None:
+        """Capture every bucket, largest first (the smaller ones then fit in the memory
+        pool it leaves). `cache` must have been made with ptrs=self.cache_ptrs."""
+        assert cache.ptrs is self.cache_ptrs, "the cache must write its addresses into the graphs' table"
+        t0 = time.monotonic()
+        pool = None
+        for size in reversed(self.sizes):
+            self._fill([], size, scratch_block)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a first run compiles the kernels and lazily made weights, outside capture
+                self._step(size, cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._step(size, cache)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode graphs (batch %d..%d) in %.2f s", len(self.sizes), self.sizes[0], self.sizes[-1],
+                 time.monotonic() - t0)
+
+    def replay(self, batch: list[tuple], scratch_block: int) -> torch.Tensor:
+        """Log-probs [len(batch), vocab] of the next token for (sequence, start, 1) spans,
+        valid until the next replay (the graphs share their memory)."""
+        size = next(s for s in self.sizes if s >= len(batch))
+        self._fill([(seq.tokens(start, start + 1)[0], start, seq.blocks) for seq, start, _ in batch], size, scratch_block)
+        self.graphs[size].replay()
+        return self.outputs[size][: len(batch)]
