@@ -1,6 +1,8 @@
 """preload: DeepSeek-family MoE weights loaded once, engines attached zero-copy."""
 
-from preload.options import BUNDLED_MODEL
+from preload.options import BUNDLED_MODEL, VERSION
+
+__version__ = VERSION
 
 
 def __getattr__(name: str):
@@ -17,4 +19,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["BUNDLED_MODEL", "LLM", "attach"]
+__all__ = ["BUNDLED_MODEL", "LLM", "attach", "__version__"]

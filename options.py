@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+try:
+    VERSION = version("preload")  # `preload --version`, /version
+except PackageNotFoundError:  # a source tree that was never installed
+    VERSION = "0+unknown"
 BUNDLED_MODEL = str(Path(__file__).parent / "bundled" / "tiny-v3")
 QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -176,7 +176,8 @@ def _accepting(port: int) -> bool:
 
 def _is_daemon(p: psutil.Process) -> bool:
     try:
-        return "preload.cli.start" in p.cmdline()
+        cmd = " ".join(p.cmdline())
+        return "preload.cli.start" in cmd or cmd.startswith("preload daemon")  # as spawned, or once titled
     except psutil.Error:
         return False
 

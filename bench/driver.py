@@ -167,7 +167,8 @@ def daemon_processes(state_dir: Path) -> list[psutil.Process]:
         cmd = proc.info["cmdline"] or []
         if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
             continue
-        if any(a == "--state-dir" and b == str(state_dir) for a, b in zip(cmd, cmd[1:])):
+        # (argv as spawned, or a process title, which is one string: `preload worker 1 --state-dir X`)
+        if f"--state-dir {state_dir} " in " ".join(cmd) + " ":
             found.append(proc)
     return found
 
@@ -187,7 +188,7 @@ def stop_everything(state_dir: Path, pids: tuple[int, ...] = (), timeout: float 
     for pid in {*pids, *([int(lock_pid)] if lock_pid.isdigit() else [])}:
         try:
             proc = psutil.Process(pid)
-            if str(state_dir) in proc.cmdline():  # ours, not a recycled pid
+            if str(state_dir) in " ".join(proc.cmdline()):  # ours, not a recycled pid
                 survivors[pid] = proc
         except psutil.Error:
             pass

@@ -110,7 +110,7 @@ def device_memory(d: Daemon, status: dict, gpu: Gpu) -> dict:
     cache (from /status) beside what it holds beyond it (context, workspaces)."""
     roles = {d.pid: "daemon"}
     for c in psutil.Process(d.pid).children():
-        if "preload.preloadd.zygote" in " ".join(c.cmdline()):
+        if " ".join(c.cmdline()).startswith("preload zygote"):  # its process title
             roles[c.pid] = "zygote"
     workers = {w["pid"]: w for w in status["workers"]}
     roles |= {pid: f"worker {w['slot']}" for pid, w in workers.items()}

@@ -26,20 +26,49 @@ def status(state_dir, as_json):
         with DaemonClient(state_dir, timeout=5) as client:
             s = client.request("status")["status"]
     except DaemonUnavailable as e:
-        click.echo(f"preload: {e}", err=True)
-        sys.exit(1)
+        s = _status_over_http(state_dir)  # a daemon still loading has no control socket yet
+        if s is None:
+            click.echo(f"preload: {e}", err=True)
+            sys.exit(1)
     if as_json:
         click.echo(json.dumps(s, indent=2))
+        return
+    if s["state"] != "ready" and not s["fingerprint"]:
+        p = s.get("progress") or {}
+        click.echo(f"{s['state']}: {s['model']} ({s['quant']}, {s['dtype']}) on {s['device']}, pid {s['pid']}, "
+                   f"up {s['uptime_s']:.0f} s: {p.get('done_bytes', 0) / 2**30:.2f} of {p.get('total_bytes', 0) / 2**30:.2f}"
+                   f" GiB read ({100 * p.get('fraction', 0):.0f}%), {p.get('tensors_done', 0)} of {p.get('tensors_total', 0)} tensors")
         return
     gib = sum(s["bytes_per_device"].values()) / 2**30
     click.echo(f"{s['state']}: {s['model']} ({s['quant']}, {s['dtype']}) on {s['device']} via {s['transport']}")
     click.echo(f"  {gib:.3f} GiB resident, fingerprint {s['fingerprint']}")
     click.echo(f"  pid {s['pid']}, up {s['uptime_s']:.0f} s, loaded in {s['load_seconds']:.2f} s, attached: {s['attached_workers'] or 'none'}")
+    ports = f"API port {s['port']}, " if s.get("port") else ""
+    click.echo(f"  {ports}health port {s.get('health_port')}")
     for w in s["workers"]:
         click.echo(f"  worker {w['slot']}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
                    f"KV cache {w['kv_cache_bytes'] / 2**30:.2f} GiB, {w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
     for w in s["spares"]:
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
+
+
+def _status_over_http(state_dir) -> dict | None:
+    """The daemon's /status from its health port (written to the state dir when bound),
+    if its pid still holds the state dir's lock; else None."""
+    import httpx
+
+    from preload.preloadd.state_dir import DAEMON_FILE
+
+    try:
+        info = json.loads((state_dir / DAEMON_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if lock_holder(state_dir / "daemon.lock") != info.get("pid"):
+        return None  # left by a daemon that is gone
+    try:
+        return httpx.get(f"http://{info['health_host']}:{info['health_port']}/status", timeout=5).json()
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 @click.command()

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -32,8 +33,11 @@ def start(foreground, **params):
 
 
 def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
+    from setproctitle import setproctitle
+
     from preload.preloadd.daemon import Daemon
 
+    setproctitle(f"preload daemon --state-dir {options.state_dir}")  # what `ps` shows (its argv is JSON)
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
     try:
@@ -88,6 +92,9 @@ def _start_in_background(options: DaemonOptions) -> int:
             cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
     os.close(write_fd)
+    import psutil
+
+    began = psutil.Process().create_time()  # "ready in": from this command's start, interpreter and imports included
     bar = None
     with os.fdopen(read_fd) as pipe:
         for line in pipe:
@@ -102,7 +109,8 @@ def _start_in_background(options: DaemonOptions) -> int:
                 if bar:
                     bar.close()
                 workers = f", {msg['workers']} workers on port {msg['port']}" if msg.get("workers") else ""
-                click.echo(f"preload daemon ready (pid {msg['pid']}) in {msg['seconds']:.2f} s on {state_dir}{workers}")
+                click.echo(f"preload daemon ready (pid {msg['pid']}) in {time.time() - began:.2f} s (weights loaded in"
+                           f" {msg['seconds']:.2f} s) on {state_dir}{workers}, health port {msg.get('health_port')}")
                 return 0
             elif "error" in msg:
                 if bar:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -28,9 +29,9 @@ from preload.ipc.protocol import fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd.control import ControlServer, PeerPolicy
-from preload.preloadd.health import DaemonMetrics, HttpServer, make_app
+from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.loader import Loaded, Progress, load
-from preload.preloadd.state_dir import PidLock, device_lock, prepare_state_dir
+from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, prepare_state_dir, write_private_json
 from preload.preloadd.supervisor import Supervisor
 
 log = logging.getLogger("preload.daemon")
@@ -80,6 +81,7 @@ class Daemon:
         self._clients_lock = threading.Lock()
         self.started = time.time()
         self.metrics = DaemonMetrics()
+        self.ports: dict[str, int | None] = {}
         self.stop_requested = threading.Event()
         self.control: ControlServer | None = None
         self.supervisor: Supervisor | None = None
@@ -155,6 +157,8 @@ class Daemon:
             "workers": sup.get("workers", []),
             "spares": sup.get("spares", []),
             "zygote_restarts": sup.get("zygote_restarts", 0),
+            "health_port": self.ports.get("health"),
+            "port": self.ports.get("api"),
         }
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -174,11 +178,24 @@ class Daemon:
             http = HttpServer(make_app(self.status, self.metrics), self._listen("health", o.health_host, o.health_port))
             if o.workers:  # bound now, so that clients queue in its backlog from the start
                 api = self._listen("API", o.host, o.port)
+            # The ports as bound (--port 0 picks them), for status, the start line and `preload status`
+            # while the control socket is not up yet (during the load).
+            self.ports = {"health": http.sock.getsockname()[1], "api": api.getsockname()[1] if api else None}
+            write_private_json(o.state_dir / DAEMON_FILE, {"pid": os.getpid(), "health_host": o.health_host,
+                                                            "health_port": self.ports["health"],
+                                                            "api_port": self.ports["api"]})
             self._install_signal_handlers()
             if o.workers:
                 # Workers compile their Triton kernels once per state dir, not once per start:
                 # the cache lives beside the sockets, as private as they are.
                 os.environ.setdefault("TRITON_CACHE_DIR", str(o.state_dir / "triton"))
+                # The workers' metrics, one file per process, read together by every /metrics
+                # (worker/api/metrics.py); a killed daemon's are stale: begin empty.
+                metrics_dir = o.state_dir / "metrics"
+                shutil.rmtree(metrics_dir, ignore_errors=True)
+                metrics_dir.mkdir(mode=0o700)
+                os.environ[MULTIPROC_ENV] = str(metrics_dir)
+                self.metrics.read_workers(metrics_dir)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for)
@@ -195,7 +212,7 @@ class Daemon:
             fp = self.loaded.manifest.fingerprint
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
             notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
-                    "workers": o.workers, "port": o.port})
+                    "workers": o.workers, "port": self.ports["api"], "health_port": self.ports["health"]})
             while not self.stop_requested.wait(0.5):
                 pass
             self.state = "stopping"
@@ -211,6 +228,7 @@ class Daemon:
                 self.loaded.arena.close()
             if http:
                 http.close()
+                (o.state_dir / DAEMON_FILE).unlink(missing_ok=True)
             if gpu_lock:
                 gpu_lock.release()
             lock.release()

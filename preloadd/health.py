@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's: where the workers write their series
 
 
 class DaemonMetrics:
@@ -20,6 +25,17 @@ class DaemonMetrics:
         self.attaches = Counter("preload_attaches", "Clients that attached to the weights", registry=self.registry)
         self.errors = Counter("preload_errors", "Refused or malformed control requests", registry=self.registry)
         self.attached = Gauge("preload_attached_clients", "Clients attached now", registry=self.registry)
+
+    def read_workers(self, directory: Path) -> None:
+        """Also expose the workers' series (their files in `directory`): /metrics on the
+        daemon's port then serves the same sums as the API port does."""
+        MultiProcessCollector(self.registry, path=str(directory))
+
+
+def worker_gone(pid: int) -> None:
+    """A reaped worker's gauges leave the sums (its counters stay: they never go down)."""
+    if MULTIPROC_ENV in os.environ:
+        mark_process_dead(pid)
 
 
 def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> FastAPI:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -66,3 +67,15 @@ def lock_holder(path: Path) -> int | None:
 def device_lock(device: str, uuid: str) -> PidLock:
     """One daemon per GPU, known by its UUID whatever CUDA_VISIBLE_DEVICES says."""
     return PidLock(Path(tempfile.gettempdir()) / f"preload-gpu-{uuid}.lock", f"device {device} (GPU {uuid})")
+
+
+DAEMON_FILE = "daemon.json"  # the running daemon's pid and bound ports, for `preload status`
+
+
+def write_private_json(path: Path, data: dict) -> None:
+    """`data` as JSON at `path`, readable by its owner only, replaced atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from preload.options import DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
+from preload.preloadd.health import worker_gone
 from preload.preloadd.rolling import RollingRestart
 from preload.preloadd.workers import Slot, Worker, become_subreaper, describe_exit, reap, reap_orphans, unregister
 
@@ -265,6 +266,7 @@ class Supervisor:
         if code is None:
             return
         del self.workers[worker.pid]
+        worker_gone(worker.pid)
         self._unregister(worker.pidfd)
         self._unregister(worker.link)
         worker.close()

@@ -134,7 +134,10 @@ def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.so
 
 
 def main() -> None:
+    from setproctitle import setproctitle
+
     spec = json.loads(sys.argv[1])
+    setproctitle(f"preload zygote --state-dir {spec['serve']['state_dir']}")
     listen_fd, control_fd = int(sys.argv[2]), int(sys.argv[3])
     control = socket.socket(fileno=control_fd)
     _preload_imports()

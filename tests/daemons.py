@@ -88,6 +88,15 @@ def metrics(text: str) -> dict[str, float]:
     return out
 
 
+def total(m: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels` (the workers'
+    series carry model_name and worker labels; a test rarely cares which)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    found = [v for key, v in m.items() if key.split("{")[0] == name and all(w in key for w in want)]
+    assert found, f"no {name} {labels} in the metrics"
+    return sum(found)
+
+
 @dataclass
 class RunningDaemon(Daemon):
     def get(self, path: str) -> httpx.Response:

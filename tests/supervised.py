@@ -13,7 +13,7 @@ from daemons import wait_for
 
 PROMPT = "t5 t6 t7"
 REPLACE_TIMEOUT = 60.0  # seconds for a replacement worker to be ready; ~1 s on an idle machine
-ZYGOTE_MODULE = "preload.preloadd.zygote"
+ZYGOTE_TITLE = "preload zygote"  # its process title (setproctitle)
 
 
 def start_args(api_port: int, workers: int = 1, *extra) -> tuple:
@@ -101,7 +101,7 @@ def zygotes(d) -> list[psutil.Process]:
     out = []
     for c in children(d.pid):
         try:
-            if any(ZYGOTE_MODULE in a for a in c.cmdline()) and c.pid not in worker_pids:
+            if " ".join(c.cmdline()).startswith(ZYGOTE_TITLE) and c.pid not in worker_pids:
                 out.append(c)
         except psutil.NoSuchProcess:
             pass

@@ -119,10 +119,12 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     if link is not None:
         llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
         link.report("warm")
-        if link.wait_for_slot() is None:
+        slot = link.wait_for_slot()
+        if slot is None:
             log.info("the daemon went away before giving this worker a slot")
             llm.close()
             return
+        app.state.serving.metrics.worker = str(slot)
     llm.start_engine(replace(w.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
     engine.use(llm.engine)
     log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
@@ -148,10 +150,12 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
     """Run a worker for the daemon: its options, the slot it was forked for (None: a
     spare), the daemon's listening socket and the worker's link to the daemon."""
     log_format(f"spare-{os.getpid()}" if forked_for is None else f"worker-{forked_for}")
+    title("spare" if forked_for is None else f"worker {forked_for}", opts)
 
     def on_slot(slot: int) -> None:
         if slot == forked_for:
             return
+        title(f"worker {slot}", opts)
         # A spare promoted: from here on this is worker `slot`, and its log is that slot's log.
         fd = os.open(Path(opts.state_dir) / f"worker-{slot}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
@@ -166,6 +170,13 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
     finally:
         link.close()
     return 0
+
+
+def title(role: str, opts: ServeOptions) -> None:
+    """What `ps` shows for this process: `preload worker 1 --state-dir ...`, `preload spare ...`."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"preload {role} --state-dir {opts.state_dir}")
 
 
 def log_format(name: str) -> None:

@@ -282,3 +282,32 @@ def test_start_without_model_serves_the_bundled_model(tmp_path):
         s = d.status()
         assert Path(s["model"]).resolve() == Path(BUNDLED_MODEL).resolve()
         assert d.get("/health").status_code == 200
+
+
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "preload.cli.main", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"preload, version {version('preload')}"
+
+
+def test_port_zero_reports_the_real_ports_and_status_answers_while_loading(tiny_checkpoint, tmp_path):
+    """--port 0: the start line, status and daemon.json give the ports the kernel chose;
+    `preload status` during the load (no control socket yet) reads /status over HTTP."""
+    with running_daemon(tmp_path / "state", tiny_checkpoint, "--workers", "1", "--port", "0", "--dtype", "float32") as d:
+        line = d.start.stdout
+        api_port = int(re.search(r"workers on port (\d+)", line).group(1))
+        assert api_port > 0 and f"health port {d.port}" in line and re.search(r"ready \(pid \d+\) in [\d.]+ s", line)
+        status = json.loads(preload("status", "--state-dir", str(d.state_dir), "--json").stdout)
+        assert status["port"] == api_port and status["health_port"] == d.port
+        info = json.loads((d.state_dir / "daemon.json").read_text())
+        assert info["api_port"] == api_port and info["pid"] == d.pid
+        assert stat.S_IMODE((d.state_dir / "daemon.json").stat().st_mode) == 0o600
+        # The control socket gone (as before it is made): status falls back to the health port.
+        (d.state_dir / "control.sock").rename(d.state_dir / "control.sock.away")
+        try:
+            r = preload("status", "--state-dir", str(d.state_dir))
+            assert r.returncode == 0 and "ready" in r.stdout, r.stderr
+        finally:
+            (d.state_dir / "control.sock.away").rename(d.state_dir / "control.sock")
+    assert not (d.state_dir / "daemon.json").exists()

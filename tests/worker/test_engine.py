@@ -94,3 +94,20 @@ def test_stop_tokens_and_strings(model_dir):
     word = free.text.split()[2]
     [cut] = llm.generate([prompts(1, seed=5)[0]], max_tokens=12, stop=(word,))
     assert cut.finish_reason == "stop" and word not in cut.text and free.text.startswith(cut.text)
+
+
+def test_a_grammar_holds_every_sampled_output_to_its_schema():
+    """Structured output in the engine itself (LLM): sampled at temperature 1, each output
+    is the schema's or, cut by max_tokens, none finished early."""
+    import json
+
+    from preload import BUNDLED_MODEL, LLM
+    from preload.worker.engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    llm = LLM(BUNDLED_MODEL)
+    outs = llm.generate(["t5"] * 16, max_tokens=20, temperature=1.0, seed=0, grammar=json_schema_grammar(schema))
+    assert all(o.finish_reason == "stop" for o in outs)
+    values = [json.loads(o.text)["a"] for o in outs]
+    assert all(type(v) is int and 0 <= v <= 99 for v in values)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from preload.worker.engine.sampler import apply_penalties, sample, sample_batch, top_p_filter
+from preload.worker.engine.sampler import apply_penalties, sample, sample_batch, steer, top_p_filter
 from preload.worker.engine.sampling_params import GREEDY_BELOW, RequestError, SamplingParams
 
 
@@ -104,3 +104,34 @@ def test_batch_rows_keep_their_own_params_seeds_and_penalties():
     assert a[2] == b[2] and a[4] == b[4], "a seeded row draws the same again"
     alone = sample_batch(logits[2:3].clone(), [seeded], [torch.Generator().manual_seed(11)], [[]])
     assert a[2] == alone[0], "a seeded row's draw does not depend on the rows beside it"
+
+
+def test_steer_adds_logit_bias_and_leaves_rows_that_ask_nothing():
+    logits = torch.zeros(2, 6)
+    biased = SamplingParams(logit_bias=((2, 5.0), (4, -100.0)))
+    out = steer(logits, [SamplingParams(), biased], [[1], [1]], [[], []], frozenset({0}))
+    assert out[0].tolist() == [0.0] * 6 and logits.abs().sum() == 0  # a copy; the plain row as it was
+    assert out[1].tolist() == [0.0, 0.0, 5.0, 0.0, -100.0, 0.0]
+
+
+def test_steer_repetition_penalty_as_vllm_applies_it():
+    # Seen tokens (prompt or output): a positive logit divided, a negative one multiplied.
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    out = steer(logits, [SamplingParams(repetition_penalty=2.0)], [[0, 1]], [[1, 4]], frozenset())
+    assert out[0].tolist() == [1.0, -4.0, 2.0, -2.0, 0.5]
+
+
+def test_steer_bans_the_stop_tokens_until_min_tokens():
+    p = SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=(3,))
+    logits = torch.zeros(1, 5)
+    early = steer(logits, [p], [[1]], [[4]], frozenset({0}))[0]
+    assert early[0] == float("-inf") and early[3] == float("-inf") and early[1:3].tolist() == [0.0, 0.0]
+    assert steer(logits, [p], [[1]], [[4, 4]], frozenset({0}))[0].tolist() == [0.0] * 5  # two out: allowed
+
+
+@pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(repetition_penalty=2.5),
+                                 dict(logit_bias=((1, 101.0),)), dict(max_tokens=2, min_tokens=3), dict(min_tokens=-1)])
+def test_steering_ranges_are_refused_naming_the_parameter(bad):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**bad)
+    assert e.value.param in bad

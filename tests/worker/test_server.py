@@ -26,7 +26,7 @@ import httpx
 import jinja2.sandbox
 import pytest
 import torch
-from daemons import metrics, running_daemon, wait_for
+from daemons import metrics, running_daemon, total, wait_for
 from openai import OpenAI
 from workers import running_workers, spawn_worker, sse_data, stop_worker
 
@@ -377,14 +377,14 @@ def test_32_concurrent_requests_match_their_greedy_text_alone(worker, vocab):
         assert body["usage"]["completion_tokens"] == 12
         assert body["choices"][0]["text"] == alone[i % 8], f"request {i} differs inside the batch"
     m = worker.metrics()
-    assert m["preload_kv_blocks_used"] == 0 and m["preload_running_requests"] == 0
+    assert total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0
 
 
 def test_preemption_under_tiny_kv_budget_keeps_outputs(worker, small, vocab):
     m = small.metrics()
-    assert m["preload_kv_blocks_total"] == SMALL_BLOCKS
+    assert total(m, "preload_kv_blocks_total") == SMALL_BLOCKS
     assert ok(small.get("/v1/models"))["data"][0]["max_model_len"] == SMALL_BLOCKS * SMALL_BLOCK_SIZE
-    preempted_before = m["preload_preemptions"]
+    preempted_before = total(m, "preload_num_preemptions_total")
     # 8 requests of ~10 blocks each against 24 blocks: most of them are preempted, some
     # more than once, and come back. Two also score their prompt (echo + logprobs).
     bodies = [greedy(ids(8 + i, 200 + i, vocab), 32, logprobs=0, echo=i in (2, 5)) for i in range(8)]
@@ -402,16 +402,16 @@ def test_preemption_under_tiny_kv_budget_keeps_outputs(worker, small, vocab):
         assert max(abs(a - b) for a, b in zip(lw, lg) if a is not None) <= 1e-4
         assert g.json()["usage"] == w.json()["usage"]
     m = small.metrics()
-    assert m["preload_preemptions"] > preempted_before
-    assert m["preload_kv_blocks_used"] == 0 and m["preload_running_requests"] == 0 and m["preload_queue_depth"] == 0
+    assert total(m, "preload_num_preemptions_total") > preempted_before
+    assert total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0 and total(m, "preload_num_requests_waiting") == 0
 
 
 # ---- disconnects, /health, /metrics ---------------------------------------------------------
 
 
 def test_client_disconnect_mid_stream_frees_sequence_and_blocks(worker, vocab, ctx):
-    itl = "preload_inter_token_latency_seconds_count"
-    before = worker.metrics()[itl]
+    itl = "preload_time_per_output_token_seconds_count"
+    before = total(worker.metrics(), itl)
     max_tokens = min(1000, ctx - 20)  # long enough that running to the end could not pass for an abort
     body = greedy([ids(6, 300, vocab), ids(9, 301, vocab)], max_tokens, stream=True)
     with httpx.Client(timeout=60) as c:
@@ -421,16 +421,16 @@ def test_client_disconnect_mid_stream_frees_sequence_and_blocks(worker, vocab, c
             while events < 3:  # no `break` out of iter_lines: closing that iterator would hang up already
                 events += next(lines).startswith("data:")
             m = worker.metrics()
-            assert m["preload_running_requests"] == 2 and m["preload_kv_blocks_used"] > 0
+            assert total(m, "preload_num_requests_running") == 2 and total(m, "preload_kv_blocks_used") > 0
         # leaving the block closes the connection mid-stream
 
     def settled():
         m = worker.metrics()
-        return m["preload_kv_blocks_used"] == 0 and m["preload_running_requests"] == 0 and m["preload_queue_depth"] == 0
+        return total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0 and total(m, "preload_num_requests_waiting") == 0
 
     assert wait_for(settled, timeout=10), worker.metrics()
     # Run to the end, the two sequences would have made ~2 * max_tokens latency observations.
-    assert worker.metrics()[itl] - before < max_tokens
+    assert total(worker.metrics(), itl) - before < max_tokens
     # And the worker keeps serving.
     assert ok(worker.post("/v1/completions", greedy([FIRST_ID], 3)))["usage"]["completion_tokens"] == 3
 
@@ -446,7 +446,7 @@ def test_health_answers_fast_while_16_long_generations_run(worker, vocab, ctx):
                      for i in range(16)]
             running = 0
             while running < 16 and not any(t.done() for t in tasks):
-                running = worker_metric(await probe.get("/metrics"), "preload_running_requests")
+                running = worker_metric(await probe.get("/metrics"), "preload_num_requests_running")
                 await asyncio.sleep(0.02)
             latencies = []
             while not any(t.done() for t in tasks):
@@ -487,7 +487,7 @@ def test_keep_alive_requests_are_not_held_back_by_nagle(worker):
 
 
 def worker_metric(r: httpx.Response, name: str) -> float:
-    return metrics(r.text)[name]
+    return total(metrics(r.text), name)
 
 
 def test_metrics_exposes_the_documented_series(worker, vocab):
@@ -495,12 +495,18 @@ def test_metrics_exposes_the_documented_series(worker, vocab):
     r = worker.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = worker.metrics()
-    assert m['preload_requests_total{route="/v1/completions",status="200"}'] >= 1
-    assert m["preload_time_to_first_token_seconds_count"] >= 1
-    assert m["preload_inter_token_latency_seconds_count"] >= 3
-    for gauge in ("preload_queue_depth", "preload_kv_blocks_used"):
-        assert m[gauge] == 0
-    assert m["preload_kv_blocks_total"] > 0
+    assert total(m, "preload_http_requests_total", route="/v1/completions", status="200") >= 1
+    assert total(m, "preload_time_to_first_token_seconds_count") >= 1
+    assert total(m, "preload_time_per_output_token_seconds_count") >= 3
+    for gauge in ("preload_num_requests_waiting", "preload_num_requests_running", "preload_kv_blocks_used",
+                  "preload_kv_cache_usage_perc"):
+        assert total(m, gauge) == 0
+    assert total(m, "preload_kv_blocks_total") > 0
+    assert total(m, "preload_request_success_total", finished_reason="length") >= 1
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
+        assert total(m, f"preload_{name}_seconds_count") >= 1
+    assert total(m, "preload_request_prompt_tokens_sum") >= 5 and total(m, "preload_request_generation_tokens_sum") >= 4
+    assert all('model_name="' in key and 'worker="' in key for key in m if key.startswith("preload_request_success"))
 
 
 def test_health_through_start_up_and_drain(daemon, vocab, tmp_path):

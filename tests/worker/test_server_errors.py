@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from daemons import running_daemon
+from daemons import running_daemon, total
 from openai import OpenAI
 from workers import running_workers
 
@@ -101,7 +101,14 @@ def cases(vocab: int, ctx: int) -> dict[str, tuple[str, object, set[int]]]:
         "top-k-negative": (C, {"prompt": "t5", "top_k": -1}, {400}),
         "logprobs-too-many": (C, {"prompt": "t5", "logprobs": 21}, {400}),
         "presence-penalty-too-high": (C, {"prompt": "t5", "presence_penalty": 3}, {400}),
-        "n-not-one": (C, {"prompt": "t5", "n": 2}, {400}),
+        "n-zero": (C, {"prompt": "t5", "n": 0}, VALIDATION),
+        "n-too-many": (C, {"prompt": "t5", "n": 129}, VALIDATION),
+        "best-of-other-than-n": (C, {"prompt": "t5", "best_of": 3}, VALIDATION),
+        "repetition-penalty-zero": (C, {"prompt": "t5", "repetition_penalty": 0}, {400}),
+        "min-tokens-above-max-tokens": (C, {"prompt": "t5", "max_tokens": 2, "min_tokens": 3}, {400}),
+        "logit-bias-key-not-an-id": (C, {"prompt": "t5", "logit_bias": {"hello": 5}}, VALIDATION),
+        "logit-bias-too-large": (C, {"prompt": "t5", "logit_bias": {"5": 101}}, {400}),
+        "logit-bias-outside-vocab": (C, {"prompt": "t5", "logit_bias": {str(vocab): 1}}, {400}),
         "seed-out-of-range": (C, {"prompt": "t5", "seed": 2**64}, {400}),
         "seed-very-negative": (C, {"prompt": "t5", "seed": -(2**63) - 1}, {400}),
         # empty prompts
@@ -115,11 +122,24 @@ def cases(vocab: int, ctx: int) -> dict[str, tuple[str, object, set[int]]]:
         "id-negative": (C, {"prompt": [5, -1]}, {400}),
         "id-huge": (C, {"prompt": [5, 2**70]}, {400}),
         "id-outside-in-list": (C, {"prompt": [[5], [vocab + 10]]}, {400}),
-        # unknown fields are refused, not ignored
-        "unknown-field": (C, {"prompt": "t5", "frobnicate": 1}, {400}),
-        "chat-unknown-field": (CH, {"messages": USER, "functions": []}, {400}),
-        "message-unknown-field": (CH, {"messages": [{"role": "user", "content": "t5", "bogus": 1}]}, {400}),
+        # unknown fields are ignored, except those that would change server-side processing
+        "processor-kwargs": (C, {"prompt": "t5", "mm_processor_kwargs": {}}, {400}),
+        "guided-grammar": (CH, {"messages": USER, "guided_grammar": "root ::= x"}, {400}),
+        "two-structured-outputs": (CH, {"messages": USER, "guided_choice": ["a"], "guided_regex": "b"}, VALIDATION),
+        "bad-regex": (C, {"prompt": "t5", "structured_outputs": {"regex": "("}}, VALIDATION),
+        "legacy-functions": (CH, {"messages": USER, "functions": []}, {400}),
+        "completion-chat-template": (C, {"prompt": "t5", "chat_template": "x"}, {400}),
         "stream-options-unknown-key": (C, {"prompt": "t5", "stream_options": {"bogus": True}}, {400}),
+        # what the model cannot do
+        "image-part": (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                       VALIDATION),
+        "text-part-without-text": (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, VALIDATION),
+        "tools-auto": (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, VALIDATION),
+        "response-format-unknown-type": (CH, {"messages": USER, "response_format": {"type": "yaml"}}, VALIDATION),
+        "response-format-not-a-schema": (C, {"prompt": "t5", "response_format": {"type": "json_schema",
+                                                                                  "json_schema": {"schema": {"type": 5}}}},
+                                         VALIDATION),
+        "response-format-without-schema": (CH, {"messages": USER, "response_format": {"type": "json_schema"}}, VALIDATION),
         # request-supplied templates change server-side processing: refused without the trust flag
         "chat-template": (CH, {"messages": USER, "chat_template": "{{ messages[0]['content'] }}"}, {400}),
         "chat-template-kwargs": (CH, {"messages": USER, "chat_template_kwargs": {"enable_thinking": True}}, {400}),
@@ -193,6 +213,6 @@ def test_openai_client_raises_the_matching_errors(worker, model, ctx):
 
 def test_after_all_the_bad_input_nothing_is_left_running(worker):
     m = worker.metrics()
-    assert m["preload_kv_blocks_used"] == 0 and m["preload_running_requests"] == 0 and m["preload_queue_depth"] == 0
+    assert total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0 and total(m, "preload_num_requests_waiting") == 0
     assert worker.proc.poll() is None
     assert worker.get("/health").status_code == 200

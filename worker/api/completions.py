@@ -21,13 +21,14 @@ router = APIRouter()
 async def create_completion(req: CompletionRequest, request: Request):
     s = serving(request)
     arrived = time.monotonic()
-    s.admit(req)
+    s.admit(req, request)
     prompts = [s.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts_raw()]
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # Scoring only still samples one token (the unit of the engine's work); it is not shown.
-    params = req.sampling(1 if req.score_only else max_tokens, req.logprobs,
-                          prompt_logprobs=req.echo and req.logprobs is not None)
-    seqs = [Sequence(p, params) for p in prompts]
+    params = [req.sampling(1 if req.score_only else max_tokens, req.logprobs,
+                           prompt_logprobs=req.echo and req.logprobs is not None, choice=i) for i in range(req.n)]
+    # n choices per prompt, a prompt's choices together (index = prompt * n + choice), as vLLM orders them.
+    seqs = [Sequence(p, params[i]) for p in prompts for i in range(req.n)]
     streams = s.submit(seqs, arrived)
     choices = Choices(s, req, seqs)
     if req.stream:
@@ -58,7 +59,7 @@ class Choices:
         return self.envelope("text_completion", choices, usage=self._usage())
 
     def _usage(self) -> dict:
-        return usage(sum(len(seq.prompt) for seq in self.seqs), sum(self.generated))
+        return usage(sum(len(seq.prompt) for seq in self.seqs[:: self.req.n]), sum(self.generated))
 
     def _choice(self, i: int, out: Output) -> dict:
         shown = not self.req.score_only

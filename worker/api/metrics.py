@@ -1,29 +1,98 @@
-"""The worker's Prometheus series: requests, tokens, latencies, and the engine's state."""
+"""The worker's Prometheus series, with vLLM's coverage and meanings (the README maps each
+to vLLM's name, so dashboards port): requests running and waiting, KV-cache usage, time
+to first token, time per output token, end-to-end latency and its parts (queue, prefill,
+decode), prompt and generation tokens per request, finished requests by reason,
+preemptions. Every series carries `model_name` and `worker` (the slot) labels.
+
+Under a daemon every worker writes its series to files in one directory (prometheus-
+client's multiprocess mode: the daemon sets PROMETHEUS_MULTIPROC_DIR under its state dir),
+and any process's /metrics reads them all: a scrape of the shared API port gives the same
+sums whichever worker answers, and the counts of a replaced worker stay in them, so a
+counter never goes down. Gauges count live workers only (the daemon marks a reaped
+worker dead). A worker on its own keeps its series in memory.
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from preload.worker.engine.async_engine import AsyncEngine
+from preload.worker.engine.sequence import Sequence
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class WorkerMetrics:
-    def __init__(self, engine: AsyncEngine):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("preload_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("preload_prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("preload_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("preload_time_to_first_token_seconds", "Request arrival to first token", registry=r,
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.itl = Histogram("preload_inter_token_latency_seconds", "Time between tokens of a request", registry=r,
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        # Read at each scrape (a supervised worker swaps its warm-up engine for the real one).
-        gauges = [
-            ("preload_queue_depth", "Requests waiting to be scheduled", lambda s: s.waiting),
-            ("preload_running_requests", "Requests in the running batch", lambda s: s.running),
-            ("preload_kv_blocks_used", "KV cache blocks in use", lambda s: s.kv_blocks_used),
-            ("preload_kv_blocks_total", "KV cache blocks", lambda s: s.kv_blocks_total),
-            ("preload_preemptions", "Sequences preempted so far", lambda s: s.preemptions),
-        ]
-        for name, help_, read in gauges:
-            Gauge(name, help_, registry=r).set_function(lambda read=read: read(engine.stats()))
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.worker = f"pid-{os.getpid()}"  # a supervised worker's slot once it has one (serve.py)
+        self.registry = CollectorRegistry()  # what /metrics exposes
+        shared = MULTIPROC_ENV in os.environ
+        if shared:
+            MultiProcessCollector(self.registry)
+        r = None if shared else self.registry  # shared: the values live in the directory's files
+        labels = ["model_name", "worker"]
+
+        def counter(name: str, help_: str, extra: tuple = ()) -> Counter:
+            return Counter(name, help_, [*extra, *labels], registry=r)
+
+        def histogram(name: str, help_: str, buckets: tuple) -> Histogram:
+            return Histogram(name, help_, labels, registry=r, buckets=buckets)
+
+        def gauge(name: str, help_: str) -> Gauge:
+            return Gauge(name, help_, labels, registry=r, multiprocess_mode="livesum")
+
+        self.http_requests = counter("preload_http_requests", "HTTP requests by route template and status",
+                                     ("route", "status"))
+        self.request_success = counter("preload_request_success", "Requests finished, by finish reason",
+                                       ("finished_reason",))
+        self.prompt_tokens = counter("preload_prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = counter("preload_generation_tokens", "Tokens generated")
+        self.preemptions = counter("preload_num_preemptions", "Sequences preempted (their KV blocks taken back)")
+        self.ttft = histogram("preload_time_to_first_token_seconds", "Arrival to first token", LATENCY)
+        self.tpot = histogram("preload_time_per_output_token_seconds", "Time between a request's tokens", LATENCY)
+        self.e2e = histogram("preload_e2e_request_latency_seconds", "Arrival to the last token", LATENCY)
+        self.queue = histogram("preload_request_queue_time_seconds", "Arrival to first scheduled", LATENCY)
+        self.prefill = histogram("preload_request_prefill_time_seconds", "First scheduled to first token", LATENCY)
+        self.decode = histogram("preload_request_decode_time_seconds", "First token to the last", LATENCY)
+        self.request_prompt_tokens = histogram("preload_request_prompt_tokens", "Prompt tokens per request", TOKENS)
+        self.request_generation_tokens = histogram("preload_request_generation_tokens", "Tokens generated per request",
+                                                   TOKENS)
+        self.running = gauge("preload_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("preload_num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("preload_kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1)")
+        self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
+        self._preempted = 0
+        engine.on_step = self.update_gauges
+
+    def label(self, metric, *extra: str):
+        return metric.labels(*extra, self.model_name, self.worker)
+
+    def update_gauges(self) -> None:
+        """The engine's state now (called after each step, from the engine thread, and at
+        each scrape): gauges set, preemptions since the last call counted."""
+        s = self.engine.stats()
+        self.label(self.running).set(s.running)
+        self.label(self.waiting).set(s.waiting)
+        self.label(self.kv_usage).set(s.kv_blocks_used / max(s.kv_blocks_total, 1))
+        self.label(self.kv_used).set(s.kv_blocks_used)
+        self.label(self.kv_total).set(s.kv_blocks_total)
+        new, self._preempted = s.preemptions - self._preempted, s.preemptions
+        self.label(self.preemptions).inc(max(new, 0))  # (0: the series exists from the start, as vLLM's)
+
+    def finished(self, seq: Sequence, arrived: float, first_token: float, last_token: float) -> None:
+        """A request's sequence is done: its latencies and sizes (monotonic times)."""
+        scheduled = seq.first_scheduled or first_token
+        self.label(self.e2e).observe(last_token - arrived)
+        self.label(self.queue).observe(max(scheduled - arrived, 0.0))
+        self.label(self.prefill).observe(max(first_token - scheduled, 0.0))
+        self.label(self.decode).observe(last_token - first_token)
+        self.label(self.request_prompt_tokens).observe(len(seq.prompt))
+        self.label(self.request_generation_tokens).observe(len(seq.output))
+        self.label(self.request_success, seq.finish_reason or "abort").inc()

@@ -1,4 +1,5 @@
-"""What probes and dashboards read: /health, /metrics, /v1/models."""
+"""What probes and dashboards read: /health (and /ping, its alias in vLLM), /metrics,
+/version, /v1/models."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from preload.options import VERSION
 from preload.worker.api.serving import serving
 
 router = APIRouter()
@@ -22,14 +24,36 @@ async def health(request: Request):
     return JSONResponse({"status": phase}, status_code=200 if ok else 503)
 
 
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request):
+    """As /health: SageMaker-style load balancers ask /ping."""
+    return await health(request)
+
+
+@router.get("/version")
+async def version():
+    return {"version": VERSION}
+
+
 @router.get("/metrics")
 async def metrics(request: Request):
-    return Response(generate_latest(serving(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    metrics = serving(request).metrics
+    metrics.update_gauges()
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def model_card(request: Request) -> dict:
+    s = serving(request)
+    return {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "preload",
+            "root": s.model_name, "parent": None, "max_model_len": s.engine.stats().max_model_len}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    s = serving(request)
-    card = {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "preload",
-            "max_model_len": s.engine.stats().max_model_len}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    serving(request).check_model(model_id)
+    return model_card(request)

@@ -4,9 +4,13 @@ pydantic checks the shape of a request (types, strictly: `true` is not the numbe
 and token ids are not booleans); the ranges of the sampling parameters are checked in
 one place below the API, SamplingParams, whose RequestError names the parameter.
 
-Unknown fields are rejected rather than ignored: a client that believes it changed
-how the server processes its request (a template, template kwargs, an option we
-do not implement) must hear that it did not.
+Unknown fields are ignored, as vLLM ignores them (the SDKs send fields of newer API
+versions: `store`, `parallel_tool_calls`, ...): the worker logs them and names them in the
+`x-ignored-fields` response header. Except fields that would change how the server
+renders or processes the request (a template, template or processor kwargs, guided
+decoding we do not know, logits processors): a client that believes it changed that must
+hear that it did not, so those are refused (the declared `chat_template` fields only unless the
+operator trusts clients: chat.py).
 """
 
 from __future__ import annotations
@@ -18,20 +22,31 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from preload.worker.api.structured import grammar_of
 from preload.worker.engine.sampling_params import SamplingParams
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
+MAX_N = 128  # choices of one request at most
+
+
+def processing_field(name: str) -> bool:
+    """Whether an unknown field would change server-side processing (refused, never ignored)."""
+    return ("template" in name or name.endswith("_kwargs") or name.startswith("guided_")
+            or name in ("logits_processors", "allowed_token_ids", "bad_words")
+            or name in ("functions", "function_call"))  # the legacy tools: they would be rendered into the prompt
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+    _grammar: str | None = None  # the structured output asked for, compiled once (structured.py)
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
     stream: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -39,22 +54,51 @@ class Request(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
     user: str | None = None
-    stream_options: dict[Literal["include_usage"], bool] | None = None
+    stream_options: dict[Literal["include_usage", "continuous_usage_stats"], bool] | None = None
+    response_format: dict | None = None
+    # vLLM's structured-output extension: {"json": schema} | {"regex": pattern} | {"choice": [strings]}
+    structured_outputs: dict | None = None
+    guided_json: dict | None = None  # vLLM's older spellings of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> Request:
+        refused = sorted(name for name in self.model_extra or {} if processing_field(name))
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: changes how the server processes the request; not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        self._grammar = grammar_of(self.response_format, self.structured_outputs, self.guided_json, self.guided_regex,
+                                   self.guided_choice)
+        return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: bool) -> SamplingParams:
-        """The engine's parameters (RequestError naming the parameter if one is out of range)."""
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: bool, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice `choice` of n (a seeded request's choices draw
+        from seed, seed + 1, ...: reproducible, and not all alike); RequestError naming the
+        parameter if one is out of range."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed + choice,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop=tuple(s for s in stop if s),
@@ -62,6 +106,10 @@ class Request(BaseModel):
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            min_tokens=self.min_tokens,
+            grammar=self._grammar,
         )
 
 
@@ -93,12 +141,50 @@ class CompletionRequest(Request):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts: the model reads nothing else."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this model reads text only")
+        if self.text is None:
+            raise ValueError("a text part needs its text")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: text parts joined by newlines, the
+        developer role as system (templates know that one), null content kept only
+        beside tool calls (templates test for it there) and empty otherwise."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        if content is None and not self.tool_calls:
+            content = ""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        extra = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id}
+        return message | {k: v for k, v in extra.items() if v is not None}
 
 
 class ChatRequest(Request):
@@ -107,6 +193,8 @@ class ChatRequest(Request):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     # Change how the server renders the prompt: refused unless the operator trusts clients.
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
@@ -115,6 +203,10 @@ class ChatRequest(Request):
     def _check(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError(f"tool_choice {self.tool_choice or 'auto'!r} needs a tool-call parser for this model's"
+                             " format, which this server does not have; send tool_choice: \"none\" to render the tools"
+                             " into the prompt only")
         return self
 
 

@@ -6,6 +6,7 @@ stream their Outputs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -22,6 +23,7 @@ from preload.worker.engine.async_engine import AsyncEngine, EngineDead, RequestF
 from preload.worker.engine.output import Output
 from preload.worker.engine.sequence import Sequence
 
+log = logging.getLogger("preload.worker")
 
 @dataclass
 class Serving:
@@ -32,15 +34,24 @@ class Serving:
     metrics: WorkerMetrics
     trust_request_chat_template: bool = False
 
-    def admit(self, req: ApiRequest) -> None:
-        """Refuse a request for another model, or one that arrives before we can answer."""
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model")
+    def admit(self, req: ApiRequest, request: Request) -> None:
+        """Refuse a request for another model, or one that arrives before we can answer;
+        log the fields it sent that are ignored, and name them in the response's
+        x-ignored-fields header (app.py)."""
+        if req.ignored_fields:
+            log.warning("the following fields were present in the request but ignored: %r", req.ignored_fields)
+            request.state.ignored_fields = req.ignored_fields
+        self.check_model(req.model)
         if self.state.phase == "starting":  # a draining worker still answers what reaches it
             raise ApiError(503, "worker is starting", "service_unavailable")
         if not self.engine.alive:
             raise ApiError(503, "engine failed; the worker must be restarted", "service_unavailable")
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a request that names another model than the one served."""
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model")
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of request text; 400 naming `param` for text that is not Unicode
@@ -55,20 +66,24 @@ class Serving:
         """Each sequence's Outputs. All are checked before any is queued (RequestError,
         answered 400), so a request is taken whole or not at all."""
         outputs = [self.engine.submit(seq) for seq in seqs]
-        self.metrics.prompt_tokens.inc(sum(len(seq.prompt) for seq in seqs))
-        return [self._timed(o, arrived) for o in outputs]
+        self.metrics.label(self.metrics.prompt_tokens).inc(sum(len(seq.prompt) for seq in seqs))
+        return [self._timed(o, seq, arrived) for o, seq in zip(outputs, seqs)]
 
-    async def _timed(self, outputs: AsyncIterator[Output], arrived: float) -> AsyncIterator[Output]:
+    async def _timed(self, outputs: AsyncIterator[Output], seq: Sequence, arrived: float) -> AsyncIterator[Output]:
+        m = self.metrics
         async with aclosing(outputs):  # closing this closes the engine's iterator: the sequence is aborted
-            last = None
+            first = last = None
             async for out in outputs:
                 now = time.monotonic()
-                if last is None:
-                    self.metrics.ttft.observe(now - arrived)
+                if first is None:
+                    first = now
+                    m.label(m.ttft).observe(now - arrived)
                 else:
-                    self.metrics.itl.observe(now - last)
+                    m.label(m.tpot).observe(now - last)
                 last = now
-                self.metrics.generation_tokens.inc(len(out.token_ids))
+                m.label(m.generation_tokens).inc(len(out.token_ids))
+                if out.finished and first is not None:
+                    m.finished(seq, arrived, first, last)
                 yield out
 
     async def collect(self, request: Request, streams: list[AsyncIterator[Output]]) -> list[Output]:

@@ -46,6 +46,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.steps = 0
+        self.on_step: Callable[[], None] = lambda: None  # after each step, on the engine thread (metrics)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def use(self, engine: Engine) -> None:
@@ -144,6 +145,7 @@ class AsyncEngine:
                     continue
                 outputs = engine.step()
                 self.steps += 1
+                self.on_step()
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # noqa: BLE001 - every reader must hear about it

@@ -18,8 +18,9 @@ from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.output import Output
-from preload.worker.engine.sampler import sample, sample_batch
+from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import Sequence
@@ -62,6 +63,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
         self.special_ids = tokenizer.special_ids
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
 
     @property
     def max_model_len(self) -> int:
@@ -80,6 +82,10 @@ class Engine:
             raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
         if p.logprobs is not None and p.logprobs > vocab:
             raise RequestError(f"logprobs must be at most the vocabulary size {vocab}, got {p.logprobs}", "logprobs")
+        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
         if len(prompt) + p.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context length {self.max_model_len}",
@@ -91,6 +97,8 @@ class Engine:
         seq.detokenizer = Detokenizer(self.tokenizer, self.special_ids)
         if seq.params.seed is not None and not seq.params.greedy:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
+        if seq.params.grammar is not None:
+            seq.matcher = self.grammars.matcher(seq.params.grammar)
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -163,9 +171,12 @@ class Engine:
             return []
         seqs = [seq for seq, _ in advancing]
         rows = logprobs[torch.tensor([row for _, row in advancing], device=self.device)]
+        # Sampled from the rows as the requests steer them; the log-probs reported are the model's.
         try:
             with stage("sampling"):
-                tokens = sample_batch(rows, [s.params for s in seqs], [s.generator for s in seqs], [s.output for s in seqs])
+                steered = steer(rows, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
+                                self.stop_ids, [s.matcher for s in seqs])
+                tokens = sample_batch(steered, [s.params for s in seqs], [s.generator for s in seqs], [s.output for s in seqs])
                 return self._picked(seqs, rows, tokens)
         except SequenceFault:
             pass  # whose? each row on its own tells
@@ -173,7 +184,8 @@ class Engine:
         for seq, row in zip(seqs, rows):
             try:
                 with stage("sampling"):
-                    token = sample(row, seq.params, seq.generator, seq.output)
+                    steered = steer(row[None], [seq.params], [seq.prompt], [seq.output], self.stop_ids, [seq.matcher])[0]
+                    token = sample(steered, seq.params, seq.generator, seq.output)
                     drawn += self._picked([seq], row[None], torch.tensor([token], device=self.device))
             except SequenceFault as fault:
                 drawn.append(fault)
@@ -218,6 +230,10 @@ class Engine:
             if top is not None:
                 out.top_logprobs.append(top)
                 seq.top_logprobs.append(top)
+        if seq.matcher is not None:
+            with stage("structured output"):
+                if not seq.matcher.consume_token(token):
+                    raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         reason = self._finish_reason(seq, token)
         with stage("detokenizing"):
             new = seq.detokenizer.add(token)
@@ -236,6 +252,8 @@ class Engine:
         """Whether `token` ends `seq` by itself (stop strings are judged on the text)."""
         p = seq.params
         if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete: nothing may follow
             return "stop"
         if len(seq.output) >= p.max_tokens:
             return "length"

@@ -9,12 +9,15 @@ seed draw from their own generator, the others from the device's.
 
 `sample` is the one-row reference: the engine falls back to it, row by row, when a
 batch fails, so that the one request at fault fails alone; tests hold the batch to it.
+`steer` comes first for both: what a request asks of the logits beyond the penalties
+(logit_bias, repetition_penalty, min_tokens).
 """
 
 from __future__ import annotations
 
 import torch
 
+from preload.worker.engine.grammar import allowed
 from preload.worker.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +37,37 @@ def apply_penalties(logits: torch.Tensor, generated: list[int], presence: float,
         return logits
     counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1]).to(logits)
     return logits - presence * (counts > 0).to(logits) - frequency * counts
+
+
+def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
+          stop_ids: frozenset[int], matchers: list | None = None) -> torch.Tensor:
+    """The logits [N, V] as the requests ask them changed before sampling (a copy, if any
+    row asks): logit_bias added; repetition_penalty over the tokens of the prompt and the
+    output, as vLLM applies it (a positive logit divided by it, a negative one multiplied);
+    until min_tokens are out, the stop tokens (`stop_ids` and the request's) at -inf; with
+    a grammar (matchers[i], grammar.py), every token it does not allow next at -inf."""
+    rows = [i for i, p in enumerate(params) if p.steers]
+    if not rows:
+        return logits
+    logits, dev = logits.clone(), logits.device
+    for i in rows:
+        p, row = params[i], logits[i]
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row[torch.tensor(ids, device=dev)] += torch.tensor(bias, device=dev, dtype=row.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompts[i]) | set(outputs[i])), device=dev, dtype=torch.long)
+            x = row[seen]
+            row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+        grammar = allowed(matchers[i], row.shape[-1]) if matchers is not None and matchers[i] is not None else None
+        if len(outputs[i]) < p.min_tokens:
+            stops = torch.tensor(sorted(stop_ids | set(p.stop_token_ids)), dtype=torch.long)
+            # A grammar that allows only stopping wins over min_tokens: the output must parse.
+            if grammar is None or grammar.clone().index_fill_(0, stops, False).any():
+                row[stops.to(dev)] = float("-inf")
+        if grammar is not None:
+            row.masked_fill_(~grammar.to(dev), float("-inf"))
+    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

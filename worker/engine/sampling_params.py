@@ -37,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages every token already in the prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are banned until this many are out
+    grammar: str | None = None  # structured output: an llguidance grammar the output must follow (grammar.py)
 
     def __post_init__(self):
         # Each test says what is allowed, so NaN (which fails every comparison) is refused too.
@@ -49,10 +53,18 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
+            ("logit_bias", all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "values must be in [-100, 100]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
         ]
         for param, ok, rule in ranges:
             if not ok:
                 raise RequestError(f"{param} {rule}, got {getattr(self, param)!r}", param)
+
+    @property
+    def steers(self) -> bool:
+        """Whether the logits are changed before sampling beyond the penalties (see sampler.steer)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.grammar is not None
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ head of the queue, to be recomputed (output kept) when room returns.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from preload.worker.engine.block_manager import BlockManager
@@ -66,6 +67,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             self.blocks.grow(seq, seq.computed + n)
             batch.append((seq, n))

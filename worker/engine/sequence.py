@@ -44,8 +44,10 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # when it first entered the running batch (time.monotonic)
     generator: torch.Generator | None = None  # a seeded request's own, on the engine's device (engine.add)
     detokenizer: Detokenizer | None = None  # given by the engine, which holds the tokenizer
+    matcher: object | None = None  # structured output: its grammar's llguidance matcher (engine.add)
     stop_strings: StopStrings = field(init=False)
 
     def __post_init__(self):

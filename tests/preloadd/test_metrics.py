@@ -1,0 +1,63 @@
+"""Metrics that hold with several workers: every worker writes its series to the daemon's
+multiprocess directory, so /metrics on the shared API port (whichever worker answers)
+and on the daemon's own port give the same exact sums, and a counter never goes down,
+not even when a worker is killed and replaced."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+from daemons import free_port, metrics, running_daemon, total
+from supervised import api, complete, kill, start_args, wait_replaced, workers_of
+
+REQUESTS = 24
+
+
+def scrape(url: str) -> dict[str, float]:
+    # A new connection each time, so that the daemon's socket hands it to either worker.
+    return metrics(httpx.get(url + "/metrics", timeout=30, headers={"connection": "close"}).text)
+
+
+COUNTERS = ("preload_request_success_total", "preload_generation_tokens_total", "preload_prompt_tokens_total",
+            "preload_time_to_first_token_seconds_count")
+
+
+def test_sums_are_exact_whichever_process_answers_and_never_go_down(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2)) as d:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: complete(port, max_tokens=5), range(REQUESTS)))
+        urls = [api(port), d.url]
+        seen = {name: 0.0 for name in COUNTERS}
+        for i in range(50):
+            if i == 25:  # a worker dies mid-way: its counts stay in the sums
+                old = {w["slot"]: w["pid"] for w in workers_of(d)}
+                kill(old[0])
+                wait_replaced(d, {0: old[0]})
+                complete(port, max_tokens=5)
+            m = scrape(urls[i % 2])
+            for name in COUNTERS:
+                value = total(m, name)
+                assert value >= seen[name], f"{name} went down: {seen[name]} -> {value} (scrape {i})"
+                seen[name] = value
+            sent = REQUESTS + (i >= 25)
+            assert total(m, "preload_request_success_total", finished_reason="length") == sent
+            assert total(m, "preload_http_requests_total", route="/v1/completions", status="200") == sent
+            assert total(m, "preload_generation_tokens_total") == 5 * sent
+        workers = {key.split('worker="')[1].split('"')[0] for key in m if key.startswith("preload_request_success")}
+        assert workers <= {"0", "1"} and workers, workers  # labelled by slot, the replacement's counts under its slot
+        assert total(m, "preload_num_requests_running") == 0  # gauges: the live workers only
+
+
+def test_processes_say_what_they_are_in_ps(tiny_checkpoint, tmp_path):
+    """setproctitle: `preload daemon`, `preload zygote`, `preload worker N`, `preload spare`."""
+    import psutil
+    from supervised import start_args
+
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2, "--spare-workers", "1")) as d:
+        procs = [psutil.Process(d.pid), *psutil.Process(d.pid).children(True)]
+        titles = sorted(" ".join(p.cmdline()).strip() for p in procs)  # a title is one argv string
+        suffix = f" --state-dir {d.state_dir}"
+        assert titles == sorted(f"preload {role}{suffix}" for role in ("daemon", "zygote", "worker 0", "worker 1", "spare")), titles
