@@ -181,6 +181,8 @@ class Daemon:
             # The ports as bound (--port 0 picks them), for status, the start line and `preload status`
             # while the control socket is not up yet (during the load).
             self.ports = {"health": http.sock.getsockname()[1], "api": api.getsockname()[1] if api else None}
+            log.info("health port %s:%d%s", o.health_host, self.ports["health"],
+                     f", API port {o.host}:{self.ports['api']}" if api else "")
             write_private_json(o.state_dir / DAEMON_FILE, {"pid": os.getpid(), "health_host": o.health_host,
                                                             "health_port": self.ports["health"],
                                                             "api_port": self.ports["api"]})

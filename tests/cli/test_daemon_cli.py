@@ -303,6 +303,7 @@ def test_port_zero_reports_the_real_ports_and_status_answers_while_loading(tiny_
         info = json.loads((d.state_dir / "daemon.json").read_text())
         assert info["api_port"] == api_port and info["pid"] == d.pid
         assert stat.S_IMODE((d.state_dir / "daemon.json").stat().st_mode) == 0o600
+        assert f"API port 127.0.0.1:{api_port}" in (d.state_dir / "daemon.log").read_text()
         # The control socket gone (as before it is made): status falls back to the health port.
         (d.state_dir / "control.sock").rename(d.state_dir / "control.sock.away")
         try:
