@@ -52,6 +52,18 @@ def status(state_dir, as_json):
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 
 
+def _is_our_daemon(pid: int, state_dir) -> bool:
+    """Whether `pid` is a process of our uid that runs the daemon of `state_dir` (its title
+    or its command line names it): never signal a pid only because a file says so."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p.uids().real == os.getuid() and f"--state-dir {state_dir} " in " ".join(p.cmdline()) + " "
+    except psutil.Error:
+        return False
+
+
 def _status_over_http(state_dir) -> dict | None:
     """The daemon's /status from its health port (written to the state dir when bound),
     if its pid still holds the state dir's lock; else None."""
@@ -88,6 +100,10 @@ def stop(state_dir, timeout):
         if pid is None:
             click.echo(f"no preload daemon running on {state_dir}")
             return
+        if not _is_our_daemon(pid, state_dir):
+            click.echo(f"preload: pid {pid} in {state_dir}/daemon.lock is not our daemon of that state dir; not signalled",
+                       err=True)
+            sys.exit(1)
         click.echo(f"preload daemon (pid {pid}) does not answer; sending SIGTERM", err=True)
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ import click
 
 from preload.cli.options import build, options_of
 from preload.options import DaemonOptions, from_json, to_json
+from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
 log = logging.getLogger("preload.daemon")
 
@@ -29,6 +30,10 @@ log = logging.getLogger("preload.daemon")
 def start(foreground, **params):
     """Load a checkpoint once and keep its weights resident for workers to attach."""
     options = build(DaemonOptions, params)
+    try:  # before anything is written there: a state dir is ours, or nothing happens
+        prepare_state_dir(options.state_dir, bool(options.allow_uid or options.allow_gid))
+    except StateDirError as e:
+        raise click.ClickException(str(e)) from None
     sys.exit(run_daemon(options) if foreground else _start_in_background(options))
 
 
@@ -41,7 +46,7 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
     try:
-        options.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prepare_state_dir(options.state_dir, bool(options.allow_uid or options.allow_gid))
         _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)
         Daemon(options).run(notify)
         return 0
@@ -80,14 +85,13 @@ def _notifier(fd: int | None):
 
 def _start_in_background(options: DaemonOptions) -> int:
     state_dir = options.state_dir
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = state_dir / "daemon.log"
     read_fd, write_fd = os.pipe()
     # The options travel as JSON; --state-dir is repeated only so that `ps` shows whose daemon this is.
     cmd = [sys.executable, "-m", "preload.cli.start", str(write_fd), "--state-dir", str(state_dir),
            json.dumps(to_json(options))]
     # The daemon's own stderr goes to its log, so that even a crash at import is on record.
-    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600), "ab") as log:
         proc = subprocess.Popen(
             cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )

@@ -29,6 +29,9 @@ log = logging.getLogger("preload.daemon")
 Handler = Callable[[dict, int], dict]  # (request, peer pid) -> reply fields
 
 
+OWNER_OPS = ("restart", "shutdown")  # what only the daemon's own uid may ask
+
+
 class PeerPolicy:
     """Who may talk to the daemon: its own uid, plus allow-listed uids and gids."""
 
@@ -98,6 +101,11 @@ class ControlServer:
             msg = decode(raw)
             if msg.get("op") not in OPS:
                 raise ProtocolError(f"unknown op {msg.get('op')!r}; known: {', '.join(OPS)}")
+            if msg["op"] in OWNER_OPS and uid != os.getuid():
+                # --allow-uid/--allow-gid let others attach to the weights, not run the daemon.
+                self.on_error()
+                log.warning("refused %s from pid %d uid %d: only the daemon's own uid may", msg["op"], pid, uid)
+                return {"ok": False, "error": f"{msg['op']} is for the daemon's own uid ({os.getuid()}), not uid {uid}"}
             return {"ok": True, **self.handle(msg, pid)}
         except ProtocolError as e:
             self.on_error()

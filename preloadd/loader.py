@@ -74,6 +74,13 @@ def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> t
     return entries, size, files
 
 
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in a weight (e4m3 has no Inf; its NaN is every exponent and mantissa bit set)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
 def check_memory(size: int, device: torch.device) -> None:
     if device.type == "cpu":
         available = psutil.virtual_memory().available
@@ -102,7 +109,11 @@ def load(
         # Hashing, quantizing and writing release the GIL: several tensors go at once.
         digest = tensor_digest(src.tensor, src.scale_inv)
         scale = None if src.scale_inv is None else src.scale_inv.to(device)
-        stored = quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
+        tensor = src.tensor.to(device)
+        for what, t in ((src.name, tensor), (f"{src.name} scales", scale)):
+            if t is not None and not finite(t):  # (on the device: a pass at its bandwidth)
+                raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
+        stored = quantize_weight(src.name, tensor, scale, cfg.fp8_block, quant, dtype)
         for name, tensor in stored.items():
             arena.write(by_name[name], tensor)
         with lock:

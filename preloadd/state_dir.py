@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -16,12 +17,39 @@ class StateDirError(RuntimeError):
 
 def prepare_state_dir(path: Path, others_allowed: bool) -> None:
     """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
-    may reach the sockets, not list the dir) when other uids or gids are allow-listed."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise StateDirError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
-    os.chmod(path, 0o711 if others_allowed else 0o700)
+    may reach the sockets, not list the dir) when other uids or gids are allow-listed.
+    Trusted only if nobody else could have made, replaced or redirected it: the dir itself
+    no symlink and ours, every directory above it root's or ours and writable by no one
+    else (unless sticky, as /tmp is)."""
+    path = Path(os.path.abspath(path))
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_ancestors(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:  # the dir itself, never what a symlink there points to
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise StateDirError(f"state dir {path} is not a directory of ours (a symlink or a file: {e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise StateDirError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+        os.fchmod(fd, 0o711 if others_allowed else 0o700)
+    finally:
+        os.close(fd)
+
+
+def check_ancestors(directory: Path) -> None:
+    """StateDirError unless every directory from `directory` up to / is root's or ours and
+    writable by no one else (a sticky one, like /tmp, lets others write but not replace ours)."""
+    for d in (directory, *directory.parents):
+        st = os.stat(d)
+        if st.st_uid not in (0, os.getuid()):
+            raise StateDirError(f"{d}, above the state dir, belongs to uid {st.st_uid}: they could replace the state dir")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise StateDirError(f"{d}, above the state dir, is writable by others: they could replace the state dir")
 
 
 class PidLock:
@@ -31,9 +59,12 @@ class PidLock:
     def __init__(self, path: Path, what: str):
         self.path = path
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # (never through a symlink someone planted: it would make us truncate its target)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except PermissionError:
             raise StateDirError(f"{what} is in use by another user's preload daemon ({path})") from None
+        except OSError as e:
+            raise StateDirError(f"{what}: lock file {path} is not a regular file ({e.strerror})") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -49,12 +80,16 @@ class PidLock:
 
 
 def lock_holder(path: Path) -> int | None:
-    """The pid in a daemon lock file while a live daemon holds the lock, else None."""
+    """The pid in a daemon lock file while a live daemon holds the lock, else None. Only
+    a regular file of ours is read (not a symlink, not one another user planted)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
         return None
     try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None  # nobody holds it
     except BlockingIOError:

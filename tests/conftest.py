@@ -1,4 +1,7 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,3 +31,12 @@ def tiny_checkpoint(tmp_path_factory):
     arch, overrides = CASES["v3-qlora-yarn"]
     model = make_hf_model(arch, seed=11, **(overrides | {"intermediate_size": 288}))
     return save_hf_model(model, tmp_path_factory.mktemp("tiny-v3-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def base_dir():
+    """A private temp dir that another uid may traverse (pytest's own tmp root is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="preload-proto-", dir="/tmp"))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

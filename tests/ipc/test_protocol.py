@@ -4,15 +4,10 @@ clients of another uid are refused unless allow-listed; no pickle anywhere."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import select
-import shutil
-import signal
 import socket
 import struct
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,23 +15,14 @@ import msgpack
 import pytest
 import zmq
 from daemons import running_daemon
+from other_uids import NOBODY, as_nobody, open_to_others
 
 import preload
 from preload import attach
 from preload.ipc.client import DaemonClient, DaemonError
 from preload.ipc.protocol import PROTOCOL_VERSION, ProtocolError, recv_with_fds, send_with_fds
 
-NOBODY = 65534
 REPLY_TIMEOUT_MS = 3000
-
-
-@pytest.fixture(scope="module")
-def base_dir():
-    """A private temp dir that another uid may traverse (pytest's own tmp root is 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="preload-proto-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -166,43 +152,6 @@ def test_a_silent_client_on_the_fd_socket_does_not_hold_up_others(daemon):
 # ---- other uids ------------------------------------------------------------------
 
 
-def as_nobody(fn, *args, timeout: float = 60) -> dict:
-    """fn(*args) in a forked child that dropped to uid and gid 65534; its JSON result."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                result = fn(*args)
-            except BaseException as e:
-                result = {"crash": f"{type(e).__name__}: {e}"}
-            os.write(w, json.dumps(result).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    try:
-        with os.fdopen(r, "rb") as pipe:
-            while select.select([pipe], [], [], timeout)[0]:
-                chunk = os.read(pipe.fileno(), 1 << 16)
-                if not chunk:
-                    break
-                data += chunk
-            else:
-                pytest.fail(f"the uid {NOBODY} child did not finish within {timeout} s")
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 def ask_everything(state_dir: str) -> dict:
     """Runs as uid 65534: what does the daemon say on each socket?"""
     out = {"uid": os.getuid()}
@@ -227,14 +176,6 @@ def attach_and_read(state_dir: str) -> dict:
     with attach(state_dir) as weights:
         total = sum(float(t.float().sum()) for t in weights.values())
         return {"uid": os.getuid(), "fingerprint": weights.fingerprint, "tensors": len(weights), "finite": total == total}
-
-
-def open_to_others(state_dir: Path) -> None:
-    """What an operator does to let another uid reach the sockets at all; the daemon's
-    uid check is then the only thing between that uid and the weights."""
-    os.chmod(state_dir, 0o711)
-    for name in ("control.sock", "fds.sock"):
-        os.chmod(state_dir / name, 0o666)
 
 
 def close_to_others(state_dir: Path) -> None:

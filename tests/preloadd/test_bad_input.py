@@ -158,6 +158,23 @@ def missing_tensor(ckpt: Path, work: Path) -> tuple[Path, Expect]:
     return model, [str(model), ATTENTION]
 
 
+def poisoned_weight(tensor: str, value: float, word: str):
+    """One NaN or Inf in one weight: it would load, warm up, report healthy and fail every request."""
+
+    def make(ckpt: Path, work: Path) -> tuple[Path, Expect]:
+        model = copy_of(ckpt, work)
+
+        def poison(tensors):
+            tensors[tensor] = tensors[tensor].clone()
+            tensors[tensor].view(-1)[7] = value
+
+        edit_tensors(model, poison)
+        return model, [tensor, word]
+
+    make.__name__ = f"{word.lower()}_weight"
+    return make
+
+
 def too_little_memory(ckpt: Path, work: Path) -> tuple[Path, Expect]:
     """A config whose vocabulary makes the arena ~512 TiB: the daemon must see that it
     cannot fit before allocating or reading anything."""
@@ -180,6 +197,8 @@ CASES = {
         wrong_shape,
         wrong_dtype,
         missing_tensor,
+        poisoned_weight(DENSE, float("nan"), "NaN"),
+        poisoned_weight(EXPERT, float("-inf"), "Inf"),
         too_little_memory,
     )
 }

@@ -435,6 +435,28 @@ def test_client_disconnect_mid_stream_frees_sequence_and_blocks(worker, vocab, c
     assert ok(worker.post("/v1/completions", greedy([FIRST_ID], 3)))["usage"]["completion_tokens"] == 3
 
 
+def test_clients_that_give_up_on_whole_responses_free_their_sequences(worker, vocab, ctx):
+    """Not streamed: the server hears the client leave (within its 0.25 s poll) and aborts,
+    as it does for a stream; nothing runs on for nobody."""
+    itl = "preload_time_per_output_token_seconds_count"
+    before = total(worker.metrics(), itl)
+    max_tokens = min(1000, ctx - 20)
+
+    async def give_up():
+        async with httpx.AsyncClient(base_url=worker.url, timeout=1.0) as c:
+            tries = [c.post("/v1/completions", json=greedy(ids(8, 600 + i, vocab), max_tokens)) for i in range(8)]
+            return await asyncio.gather(*tries, return_exceptions=True)
+
+    assert all(isinstance(r, httpx.TimeoutException) for r in asyncio.run(give_up()))
+
+    def settled():
+        m = worker.metrics()
+        return total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0
+
+    assert wait_for(settled, timeout=10), worker.metrics()
+    assert total(worker.metrics(), itl) - before < 8 * max_tokens / 2  # aborted early, not run to the end
+
+
 def test_health_answers_fast_while_16_long_generations_run(worker, vocab, ctx):
     max_tokens = min(120, ctx - 16)
 

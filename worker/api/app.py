@@ -1,12 +1,12 @@
 """The worker's HTTP app: the OpenAI-compatible routes (completions.py, chat.py,
-tokens.py), the probes (probes.py), error bodies (errors.py) and a middleware that counts requests and,
-while the worker drains, closes each connection after its response."""
+tokens.py), the probes (probes.py), error bodies (errors.py) and `Accounting`, which counts responses,
+names ignored fields and, while the worker drains, closes each connection after its response."""
 
 from __future__ import annotations
 
 import re
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.worker.api import chat, completions, probes, tokens
@@ -17,6 +17,43 @@ from preload.worker.api.state import WorkerState
 from preload.worker.engine.async_engine import AsyncEngine
 
 HEADER_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class Accounting:
+    """Every response: counted by route template and status, the request fields it
+    ignored named in x-ignored-fields (set by Serving.admit), and while the worker drains
+    `connection: close` (the client's next request goes to another worker).
+
+    Plain ASGI, not an `@app.middleware("http")`: that kind hands the endpoints a receive
+    that never reports the client's disconnect, so a request whose client gave up before
+    its whole response ran on for nobody."""
+
+    def __init__(self, app, metrics: WorkerMetrics, state: WorkerState):
+        self.app, self.metrics, self.state = app, metrics, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status, headers = message["status"], list(message.get("headers", []))
+                ignored = scope.get("state", {}).get("ignored_fields")
+                if ignored:  # names a header can carry (the log has them all)
+                    headers.append((b"x-ignored-fields", ",".join(n for n in ignored if HEADER_SAFE.fullmatch(n))[:1024].encode()))
+                if self.state.phase == "draining":
+                    headers.append((b"connection", b"close"))
+                message = message | {"headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            # The route's template, never the path a client chose: one series per endpoint, not per URL.
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.label(self.metrics.http_requests, route, str(status)).inc()
 
 
 def create_app(
@@ -34,17 +71,5 @@ def create_app(
     for module in (completions, chat, tokens, probes):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        # The route's template, never the path a client chose: one series per endpoint, not per URL.
-        route = request.scope.get("route")
-        metrics.label(metrics.http_requests, getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        ignored = getattr(request.state, "ignored_fields", None)
-        if ignored:  # names a header can carry (the log has them all)
-            response.headers["x-ignored-fields"] = ",".join(n for n in ignored if HEADER_SAFE.fullmatch(n))[:1024]
-        if state.phase == "draining":
-            response.headers["connection"] = "close"  # the client's next request goes to another worker
-        return response
-
+    app.add_middleware(Accounting, metrics=metrics, state=state)
     return app

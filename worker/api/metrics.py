@@ -84,7 +84,10 @@ class WorkerMetrics:
         self.label(self.kv_used).set(s.kv_blocks_used)
         self.label(self.kv_total).set(s.kv_blocks_total)
         new, self._preempted = s.preemptions - self._preempted, s.preemptions
-        self.label(self.preemptions).inc(max(new, 0))  # (0: the series exists from the start, as vLLM's)
+        self.label(self.preemptions).inc(max(new, 0))
+        for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,
+                       self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
+            self.label(series)  # every series exists from the start, at zero, as vLLM's do
 
     def finished(self, seq: Sequence, arrived: float, first_token: float, last_token: float) -> None:
         """A request's sequence is done: its latencies and sizes (monotonic times)."""
