@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +32,9 @@ Handler = Callable[[dict, int], dict]  # (request, peer pid) -> reply fields
 
 
 OWNER_OPS = ("restart", "shutdown")  # what only the daemon's own uid may ask
+MAX_REQUEST = 64 << 10  # bytes of one control request at most
+MAX_PENDING = 64  # fd-socket connections waiting for their request at most
+FD_REQUEST_TIMEOUT = 2.0  # seconds an fd-socket peer has to send its request
 
 
 class PeerPolicy:
@@ -75,11 +80,14 @@ class ControlServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # Requests are a few hundred bytes: libzmq drops a peer that sends more than this
+        # instead of taking in a whole frame (up to MAX_MESSAGE) before we can look at it.
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
         self._router.bind(control_address(state_dir))
         self._fd_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._fd_sock.bind(str(fd_socket_path(state_dir)))
         self._fd_sock.listen(64)
-        self._fd_sock.settimeout(0.2)
+        self._fd_sock.setblocking(False)
         # Owner only, unless the operator allow-listed other uids or gids: then anyone may
         # connect and the peer check alone decides.
         mode = 0o666 if policy.others_allowed else 0o600
@@ -137,22 +145,65 @@ class ControlServer:
                 log.warning("control socket: %s", e)
 
     def _serve_fds(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._fd_sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            # A thread per connection: a client that connects and says nothing must not
-            # hold up every other attach.
-            threading.Thread(target=self._fd_connection, args=(conn,), name="fds-conn", daemon=True).start()
+        """One thread for every connection to the fd socket: the peer's credentials are
+        checked as it connects, before anything it sends is read; then it has a moment to
+        send its request. Idle connections cost a slot among MAX_PENDING, not a thread."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._fd_sock, selectors.EVENT_READ)
+        pending: dict[socket.socket, tuple[float, bool]] = {}  # connection -> (deadline, allowed)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    if key.fileobj is self._fd_sock:
+                        self._accept(sel, pending)
+                    else:
+                        conn = key.fileobj
+                        sel.unregister(conn)
+                        _, allowed = pending.pop(conn)
+                        self._fd_connection(conn, allowed)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in pending.items() if deadline < now]:
+                    sel.unregister(conn)
+                    del pending[conn]
+                    conn.close()
+                    self.on_error()
+                    log.warning("fd socket: a peer sent nothing within %.0f s", FD_REQUEST_TIMEOUT)
+        finally:
+            for conn in pending:
+                conn.close()
+            sel.close()
 
-    def _fd_connection(self, conn: socket.socket) -> None:
+    def _accept(self, sel: selectors.BaseSelector, pending: dict) -> None:
+        try:
+            conn, _ = self._fd_sock.accept()
+        except (BlockingIOError, TimeoutError, OSError):
+            return
+        if len(pending) >= MAX_PENDING:
+            conn.close()
+            self.on_error()
+            log.warning("fd socket: %d connections already wait for their requests; one more refused", MAX_PENDING)
+            return
+        pid, uid, gid = peer_credentials(conn)
+        allowed = self.policy.allows(uid, gid)
+        if not allowed:
+            self.on_error()
+            log.warning("refused arena fds to pid %d uid %d", pid, uid)
+        conn.setblocking(False)
+        sel.register(conn, selectors.EVENT_READ)
+        pending[conn] = (time.monotonic() + FD_REQUEST_TIMEOUT, allowed)
+
+    def _fd_connection(self, conn: socket.socket, allowed: bool) -> None:
         with conn:
-            conn.settimeout(2)
+            conn.settimeout(FD_REQUEST_TIMEOUT)
             try:
-                self._send_fds(conn)
+                if allowed:
+                    self._send_fds(conn)
+                else:
+                    # Take in (one bounded read, never parsed) what the peer sent, so that our
+                    # reply is not lost to a reset; then refuse.
+                    conn.recv(1 << 16)
+                    pid, uid, _ = peer_credentials(conn)
+                    send_with_fds(conn, {"ok": False, "error": f"uid {uid} is not allowed to use this daemon"}, [])
             except (OSError, ProtocolError) as e:
                 self.on_error()
                 log.warning("fd request failed: %s", e)
@@ -162,15 +213,6 @@ class ControlServer:
                     pass
 
     def _send_fds(self, conn: socket.socket) -> None:
-        pid, uid, gid = peer_credentials(conn)
-        if not self.policy.allows(uid, gid):
-            self.on_error()
-            log.warning("refused arena fds to pid %d uid %d", pid, uid)
-            # Take in (one bounded read, never parsed) what the peer is sending, so that
-            # our reply is not lost to a reset; then refuse.
-            conn.recv(1 << 16)
-            send_with_fds(conn, {"ok": False, "error": f"uid {uid} is not allowed to use this daemon"}, [])
-            return
         msg, stray = recv_with_fds(conn, max_fds=0)
         for fd in stray:
             os.close(fd)
@@ -183,9 +225,9 @@ class ControlServer:
 
     def close(self) -> None:
         self._stop.set()
-        self._fd_sock.close()
-        for t in self._threads:
+        for t in self._threads:  # each sees the flag within its 0.2 s poll
             t.join(timeout=2)
+        self._fd_sock.close()
         self._router.close(linger=0)
         self._ctx.term()
         for path in (self.state_dir / "control.sock", fd_socket_path(self.state_dir)):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import psutil
 import pytest
 import zmq
 from daemons import running_daemon
@@ -147,6 +148,47 @@ def test_a_silent_client_on_the_fd_socket_does_not_hold_up_others(daemon):
         for fd in fds:
             os.close(fd)
         assert len(fds) == 1
+
+
+def test_idle_connections_cost_no_thread_and_attaching_resumes(daemon):
+    """A thousand connections that say nothing: the daemon keeps its threads (one serves
+    the fd socket, whatever connects), refuses those beyond what may wait, drops the rest
+    after their moment, and a worker attaches again."""
+    proc = psutil.Process(daemon.pid)
+    threads = proc.num_threads()
+    idle = []
+    try:
+        for _ in range(1000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(daemon.state_dir / "fds.sock"))
+            idle.append(s)
+        time.sleep(0.5)
+        assert proc.num_threads() <= threads + 2, (threads, proc.num_threads())
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(2.5)
+    with DaemonClient(daemon.state_dir, timeout=5) as client:
+        _, fds = client.arena_fds()
+    for fd in fds:
+        os.close(fd)
+    assert len(fds) == 1
+
+
+def test_an_oversized_control_frame_is_dropped_not_kept(daemon, dealer):
+    """A 32 MB frame is refused by libzmq as it arrives (the peer dropped), not held
+    whole in the daemon's memory; the daemon answers the next client."""
+    rss = psutil.Process(daemon.pid).memory_info().rss
+    dealer.send(b"\x00" * (32 << 20))
+    time.sleep(1.0)
+    assert psutil.Process(daemon.pid).memory_info().rss - rss < 16 << 20
+    ctx = zmq.Context()
+    fresh = ctx.socket(zmq.DEALER)
+    fresh.connect(f"ipc://{daemon.state_dir / 'control.sock'}")
+    try:
+        still_serves(fresh)
+    finally:
+        ctx.destroy(linger=0)
 
 
 # ---- other uids ------------------------------------------------------------------
