@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
 import click
@@ -22,6 +23,7 @@ from preload.options import DaemonOptions, from_json, to_json
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
 log = logging.getLogger("preload.daemon")
+LOG_BYTES, LOG_BACKUPS = 16 << 20, 3  # daemon.log, then .1 .. .3
 
 
 @click.command()
@@ -62,7 +64,9 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
 
 
 def _log_to(path: Path, to_stderr: bool) -> None:
-    handlers: list[logging.Handler] = [logging.FileHandler(path)]
+    # Rotated: a daemon runs for months. (What its stderr gets, a crash at import, stays in
+    # the file it was opened on.)
+    handlers: list[logging.Handler] = [RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
     if to_stderr:
         handlers.append(logging.StreamHandler())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=handlers, force=True)

@@ -28,6 +28,7 @@ from preload.ipc.arena import default_transport
 from preload.ipc.protocol import fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
+from preload.preloadd import systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.loader import Loaded, Progress, load
@@ -215,10 +216,13 @@ class Daemon:
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
             notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
                     "workers": o.workers, "port": self.ports["api"], "health_port": self.ports["health"]})
+            systemd.notify(READY="1", MAINPID=str(os.getpid()),
+                           STATUS=f"ready: {o.workers} workers on port {self.ports['api']}, fingerprint {fp}")
             while not self.stop_requested.wait(0.5):
                 pass
             self.state = "stopping"
             log.info("stopping")
+            systemd.notify(STOPPING="1", STATUS="stopping")
         finally:
             if self.supervisor:
                 self.supervisor.stop(timeout=o.worker.drain_timeout + 5)
@@ -251,6 +255,7 @@ class Daemon:
             if time.monotonic() - last[0] > 0.2:
                 last[0] = time.monotonic()
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
+                systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
         self.loaded = load(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress)
         self.manifest_wire = self.loaded.manifest.to_wire()
