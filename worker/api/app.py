@@ -5,6 +5,7 @@ names ignored fields and, while the worker drains, closes each connection after 
 from __future__ import annotations
 
 import re
+import time
 
 from fastapi import FastAPI
 
@@ -17,12 +18,16 @@ from preload.worker.api.state import WorkerState
 from preload.worker.engine.async_engine import AsyncEngine
 
 HEADER_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+CONNECTION_AGE = 10.0  # seconds a keep-alive connection serves before the worker closes it
 
 
 class Accounting:
     """Every response: counted by route template and status, the request fields it
-    ignored named in x-ignored-fields (set by Serving.admit), and while the worker drains
-    `connection: close` (the client's next request goes to another worker).
+    ignored named in x-ignored-fields (set by Serving.admit), and `connection: close` while
+    the worker drains, or once its keep-alive connection is CONNECTION_AGE old: the
+    client's next request then goes through the daemon's socket to whichever worker
+    accepts, so keep-alive clients spread over a replaced worker too instead of staying on
+    the survivors.
 
     Plain ASGI, not an `@app.middleware("http")`: that kind hands the endpoints a receive
     that never reports the client's disconnect, so a request whose client gave up before
@@ -30,6 +35,21 @@ class Accounting:
 
     def __init__(self, app, metrics: WorkerMetrics, state: WorkerState):
         self.app, self.metrics, self.state = app, metrics, state
+        self.connections: dict[tuple, float] = {}  # client address -> when its connection was first seen
+
+    def _too_old(self, client: tuple | None) -> bool:
+        """Whether this keep-alive connection has served long enough (then forgotten: the
+        client's next connection starts anew; entries of connections gone age out too)."""
+        if client is None:
+            return False
+        now = time.monotonic()
+        if len(self.connections) > 4096:
+            self.connections = {c: t for c, t in self.connections.items() if now - t < 2 * CONNECTION_AGE}
+        since = self.connections.setdefault(tuple(client), now)
+        if now - since < CONNECTION_AGE:
+            return False
+        del self.connections[tuple(client)]
+        return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -43,7 +63,7 @@ class Accounting:
                 ignored = scope.get("state", {}).get("ignored_fields")
                 if ignored:  # names a header can carry (the log has them all)
                     headers.append((b"x-ignored-fields", ",".join(n for n in ignored if HEADER_SAFE.fullmatch(n))[:1024].encode()))
-                if self.state.phase == "draining":
+                if self.state.phase == "draining" or self._too_old(scope.get("client")):
                     headers.append((b"connection", b"close"))
                 message = message | {"headers": headers}
             await send(message)
