@@ -22,6 +22,15 @@ def status(state_dir, as_json):
     from preload.ipc.client import DaemonClient, DaemonUnavailable
 
     state_dir = state_dir_path(state_dir)
+    if lock_holder(state_dir / "daemon.lock") is None:  # no daemon: say so at once, and what it left running
+        left = [{"pid": p.pid, "process": " ".join(p.cmdline()).strip()} for p in _leftovers(state_dir)]
+        if as_json:
+            click.echo(json.dumps({"state": "absent", "left_running": left}, indent=2))
+        else:
+            click.echo(f"preload: no preload daemon runs on {state_dir}" + ("; still running:" if left else ""), err=True)
+            for proc in left:
+                click.echo(f"  pid {proc['pid']}: {proc['process']}", err=True)
+        sys.exit(1)
     try:
         with DaemonClient(state_dir, timeout=5) as client:
             s = client.request("status")["status"]
@@ -50,6 +59,37 @@ def status(state_dir, as_json):
                    f"KV cache {w['kv_cache_bytes'] / 2**30:.2f} GiB, {w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
     for w in s["spares"]:
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
+
+
+def _leftovers(state_dir) -> list:
+    """Processes of ours that a dead daemon of `state_dir` left running (workers, spares,
+    its zygote): their titles name the state dir."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        cmd = " ".join(p.info["cmdline"] or []) + " "
+        if (p.pid != os.getpid() and p.info["uids"] and p.info["uids"].real == os.getuid()
+                and cmd.startswith("preload ") and f"--state-dir {state_dir} " in cmd):
+            found.append(p)
+    return found
+
+
+def _stop_leftovers(state_dir, timeout: float) -> None:
+    """No daemon: SIGTERM what it left running (workers drain, then exit) and wait."""
+    import psutil
+
+    left = _leftovers(state_dir)
+    if not left:
+        click.echo(f"no preload daemon running on {state_dir}")
+        return
+    for p in left:
+        p.terminate()
+    gone, alive = psutil.wait_procs(left, timeout=timeout)
+    for p in alive:
+        p.kill()
+    click.echo(f"no preload daemon running on {state_dir}; stopped what it left running: "
+               f"{', '.join(str(p.pid) for p in left)}" + (f" ({len(alive)} killed after {timeout:.0f} s)" if alive else ""))
 
 
 def _is_our_daemon(pid: int, state_dir) -> bool:
@@ -98,7 +138,7 @@ def stop(state_dir, timeout):
     except DaemonUnavailable:
         pid = lock_holder(state_dir / "daemon.lock")
         if pid is None:
-            click.echo(f"no preload daemon running on {state_dir}")
+            _stop_leftovers(state_dir, timeout)
             return
         if not _is_our_daemon(pid, state_dir):
             click.echo(f"preload: pid {pid} in {state_dir}/daemon.lock is not our daemon of that state dir; not signalled",

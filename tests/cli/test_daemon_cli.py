@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -312,3 +313,23 @@ def test_port_zero_reports_the_real_ports_and_status_answers_while_loading(tiny_
         finally:
             (d.state_dir / "control.sock.away").rename(d.state_dir / "control.sock")
     assert not (d.state_dir / "daemon.json").exists()
+
+
+def test_status_and_stop_of_a_dead_daemon_find_what_it_left(tiny_checkpoint, tmp_path):
+    """The daemon SIGKILLed, its worker serves on: `preload status` says so at once (no
+    wait for a socket nobody answers), and `preload stop` stops the leftovers."""
+    from supervised import start_args
+
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        [w] = d.status()["workers"]
+        os.kill(d.pid, signal.SIGKILL)
+        assert wait_for(lambda: not psutil.pid_exists(d.pid) or psutil.Process(d.pid).status() == psutil.STATUS_ZOMBIE,
+                        timeout=10)
+        t0 = time.monotonic()
+        r = preload("status", "--state-dir", str(d.state_dir))
+        assert time.monotonic() - t0 < 4 and r.returncode == 1
+        assert "no preload daemon runs" in r.stderr and f"pid {w['pid']}: preload worker 0" in r.stderr, r.stderr
+        r = preload("stop", "--state-dir", str(d.state_dir))
+        assert str(w["pid"]) in r.stdout and "stopped what it left running" in r.stdout, r.stdout
+        assert not psutil.pid_exists(w["pid"]) or psutil.Process(w["pid"]).status() == psutil.STATUS_ZOMBIE
