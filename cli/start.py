@@ -48,8 +48,7 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
     try:
-        prepare_state_dir(options.state_dir, bool(options.allow_uid or options.allow_gid))
-        _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)
+        _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)  # (`start` checked the state dir)
         Daemon(options).run(notify)
         return 0
     except KeyboardInterrupt:

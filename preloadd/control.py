@@ -150,7 +150,7 @@ class ControlServer:
         send its request. Idle connections cost a slot among MAX_PENDING, not a thread."""
         sel = selectors.DefaultSelector()
         sel.register(self._fd_sock, selectors.EVENT_READ)
-        pending: dict[socket.socket, tuple[float, bool]] = {}  # connection -> (deadline, allowed)
+        pending: dict[socket.socket, tuple[float, int | None]] = {}  # connection -> (deadline, uid if refused)
         try:
             while not self._stop.is_set():
                 for key, _ in sel.select(timeout=0.2):
@@ -159,8 +159,8 @@ class ControlServer:
                     else:
                         conn = key.fileobj
                         sel.unregister(conn)
-                        _, allowed = pending.pop(conn)
-                        self._fd_connection(conn, allowed)
+                        _, refused = pending.pop(conn)
+                        self._fd_connection(conn, refused)
                 now = time.monotonic()
                 for conn in [c for c, (deadline, _) in pending.items() if deadline < now]:
                     sel.unregister(conn)
@@ -184,26 +184,27 @@ class ControlServer:
             log.warning("fd socket: %d connections already wait for their requests; one more refused", MAX_PENDING)
             return
         pid, uid, gid = peer_credentials(conn)
-        allowed = self.policy.allows(uid, gid)
-        if not allowed:
+        refused = None if self.policy.allows(uid, gid) else uid
+        if refused is not None:
             self.on_error()
             log.warning("refused arena fds to pid %d uid %d", pid, uid)
         conn.setblocking(False)
         sel.register(conn, selectors.EVENT_READ)
-        pending[conn] = (time.monotonic() + FD_REQUEST_TIMEOUT, allowed)
+        pending[conn] = (time.monotonic() + FD_REQUEST_TIMEOUT, refused)
 
-    def _fd_connection(self, conn: socket.socket, allowed: bool) -> None:
+    def _fd_connection(self, conn: socket.socket, refused: int | None) -> None:
+        """Answer a connection whose request is in: the arena's fds, or (`refused`: the
+        peer's uid) the refusal."""
         with conn:
             conn.settimeout(FD_REQUEST_TIMEOUT)
             try:
-                if allowed:
+                if refused is None:
                     self._send_fds(conn)
                 else:
                     # Take in (one bounded read, never parsed) what the peer sent, so that our
                     # reply is not lost to a reset; then refuse.
                     conn.recv(1 << 16)
-                    pid, uid, _ = peer_credentials(conn)
-                    send_with_fds(conn, {"ok": False, "error": f"uid {uid} is not allowed to use this daemon"}, [])
+                    send_with_fds(conn, {"ok": False, "error": f"uid {refused} is not allowed to use this daemon"}, [])
             except (OSError, ProtocolError) as e:
                 self.on_error()
                 log.warning("fd request failed: %s", e)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from daemons import PRELOAD, free_port, metrics
+from daemons import PRELOAD, free_port, metrics, running_daemon
 
 from preload import BUNDLED_MODEL
 
@@ -144,3 +144,12 @@ def sse_data(text: str) -> list[str]:
         assert lines, f"SSE event without data: {event!r}"
         out.append("\n".join(ln[5:].lstrip(" ") for ln in lines))
     return out
+
+
+@contextmanager
+def one_worker(model: Path, tmp_path_factory, name: str, *options: str):
+    """A daemon holding `model` in float32 and one worker attached to it (`preload serve`
+    with `options`), under temp dirs named `name`; stopped on the way out."""
+    with running_daemon(tmp_path_factory.mktemp(name) / "state", model, "--dtype", "float32") as d, \
+            running_workers(d.state_dir, tmp_path_factory.mktemp("logs"), options) as (w,):
+        yield w

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import psutil
 from daemons import free_port, metrics, running_daemon, total
 from supervised import api, complete, kill, start_args, wait_replaced, workers_of
 
@@ -52,9 +53,6 @@ def test_sums_are_exact_whichever_process_answers_and_never_go_down(tiny_checkpo
 
 def test_processes_say_what_they_are_in_ps(tiny_checkpoint, tmp_path):
     """setproctitle: `preload daemon`, `preload zygote`, `preload worker N`, `preload spare`."""
-    import psutil
-    from supervised import start_args
-
     port = free_port()
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2, "--spare-workers", "1")) as d:
         procs = [psutil.Process(d.pid), *psutil.Process(d.pid).children(True)]

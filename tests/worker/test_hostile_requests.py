@@ -22,10 +22,10 @@ from collections import Counter
 
 import httpx
 import pytest
-from daemons import running_daemon, total
+from daemons import total
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from workers import running_workers, sse_data
+from workers import one_worker, sse_data
 
 EXAMPLES = 500
 CONTROL = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -35,8 +35,7 @@ seen_statuses: Counter = Counter()
 
 @pytest.fixture(scope="module")
 def worker(model, tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("hostile") / "state", model, "--dtype", "float32") as d, \
-            running_workers(d.state_dir, tmp_path_factory.mktemp("logs"), ()) as (w,):
+    with one_worker(model, tmp_path_factory, "hostile") as w:
         yield w
 
 

@@ -11,9 +11,9 @@ import json
 import httpx
 import openai
 import pytest
-from daemons import running_daemon, total
+from daemons import total
 from openai import OpenAI
-from workers import running_workers
+from workers import one_worker
 
 MAX_REQUEST_BYTES = 64 << 10
 VALIDATION = {400, 422}  # a body that is not valid JSON, or not the right shape: either is honest
@@ -21,8 +21,7 @@ VALIDATION = {400, 422}  # a body that is not valid JSON, or not the right shape
 
 @pytest.fixture(scope="module")
 def worker(model, tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("errors") / "state", model, "--dtype", "float32") as d, \
-            running_workers(d.state_dir, tmp_path_factory.mktemp("logs"), ("--max-request-bytes", "64KiB")) as (w,):
+    with one_worker(model, tmp_path_factory, "errors", "--max-request-bytes", "64KiB") as w:
         yield w
 
 

@@ -69,6 +69,7 @@ class WorkerMetrics:
         self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
         self._preempted = 0
+        self._created_for: str | None = None  # the worker label whose series exist already
         engine.on_step = self.update_gauges
 
     def label(self, metric, *extra: str):
@@ -85,9 +86,11 @@ class WorkerMetrics:
         self.label(self.kv_total).set(s.kv_blocks_total)
         new, self._preempted = s.preemptions - self._preempted, s.preemptions
         self.label(self.preemptions).inc(max(new, 0))
-        for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,
-                       self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
-            self.label(series)  # every series exists from the start, at zero, as vLLM's do
+        if self._created_for != self.worker:  # once per label: every series exists from the start, at zero, as vLLM's do
+            self._created_for = self.worker
+            for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,
+                           self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
+                self.label(series)
 
     def finished(self, seq: Sequence, arrived: float, first_token: float, last_token: float) -> None:
         """A request's sequence is done: its latencies and sizes (monotonic times)."""

@@ -12,9 +12,8 @@ import uuid
 
 import httpx
 import pytest
-from daemons import running_daemon
 from openai import NotFoundError, OpenAI
-from workers import running_workers
+from workers import one_worker
 
 USER = [{"role": "user", "content": "t5 t6 t7"}]
 STOP = 7  # a token id every vocabulary has
@@ -22,8 +21,7 @@ STOP = 7  # a token id every vocabulary has
 
 @pytest.fixture(scope="module")
 def worker(model, tmp_path_factory):
-    with running_daemon(tmp_path_factory.mktemp("compat") / "state", model, "--dtype", "float32") as d, \
-            running_workers(d.state_dir, tmp_path_factory.mktemp("logs"), ()) as (w,):
+    with one_worker(model, tmp_path_factory, "compat") as w:
         yield w
 
 
