@@ -52,6 +52,13 @@ V2_LITE_MINI = {
     "torch_dtype": "bfloat16",
 }
 
+# V2-Lite's long context as released: YaRN stretches 4k positions 40x.
+V2_LITE_CONTEXT = {
+    "max_position_embeddings": 163840,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+}
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -209,7 +216,7 @@ TINY = V2_LITE_MINI | {
 }
 
 SHAPES = {
-    "v2-lite": lambda moe_layers: V2_LITE_MINI | {"num_hidden_layers": 27, "n_routed_experts": 64},
+    "v2-lite": lambda moe_layers: V2_LITE_MINI | V2_LITE_CONTEXT | {"num_hidden_layers": 27, "n_routed_experts": 64},
     "v2-lite-mini": lambda moe_layers: V2_LITE_MINI,
     "v3-slice": lambda moe_layers: V3_LAYER | {"num_hidden_layers": 1 + moe_layers},
 }

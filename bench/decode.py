@@ -155,7 +155,7 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
     return {"batch": batch, "context": context, "total_s": total, "output_tok_s": batch * output_len / total}
 
 
-def run_decode(model: Path, device: str, quants: list[str], batches: list[int], contexts: list[int], output_len: int,
+def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[int, int]], output_len: int,
                transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
                profile: bool = False) -> dict:
     from preload.worker.llm import LLM
@@ -169,30 +169,32 @@ def run_decode(model: Path, device: str, quants: list[str], batches: list[int], 
     bandwidth = copy_bandwidth(dev)
     result["copy_bandwidth_bytes_s"] = bandwidth
     cfg = ModelConfig.from_dir(model)
+    batches = sorted({b for b, _ in cases})
+    first_context = cases[0][1]
+    tokens = max(b * (c + output_len + 16) for b, c in cases)
     for quant in quants:
-        kv = max(batches) * (max(contexts) + output_len + 16) * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
+        kv = tokens * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
         engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
         result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
-        for context in contexts:
-            for batch in batches:
-                progress(f"{quant}: batch {batch}, context {context}")
-                case = run_case(llm, batch, context, output_len, cfg.vocab_size, seed=batch)
-                limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
-                case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000)}
-                result["runs"].append(case)
-                if profile and context == contexts[0] and dev.type == "cuda":
-                    result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
+        for batch, context in cases:
+            progress(f"{quant}: batch {batch}, context {context}")
+            case = run_case(llm, batch, context, output_len, cfg.vocab_size, seed=batch)
+            limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
+            case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000)}
+            result["runs"].append(case)
+            if profile and context == first_context and dev.type == "cuda":
+                result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
         del llm
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if transformers and dev.type == "cuda":
         for batch in [b for b in batches if b <= 16]:
-            progress(f"transformers: batch {batch}, context {contexts[0]}")
-            result["transformers"].append(run_transformers(model, str(dev), batch, contexts[0], output_len,
+            progress(f"transformers: batch {batch}, context {first_context}")
+            result["transformers"].append(run_transformers(model, str(dev), batch, first_context, output_len,
                                                            cfg.vocab_size))
     return finish(result, t0)
 

@@ -112,16 +112,22 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
               help="Also time transformers generate on the same file (batches up to 16, the first context).")
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: every step eager (as a worker with --enforce-eager).")
 @click.option("--profile", is_flag=True, help="Also profile a few decode steps per batch (first context): top kernels.")
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
+              help="Skip the (batch, context) cases whose batch x context exceeds this [default: run all].")
 @device_option
 @json_option("decode")
-def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, device, json_path):
+def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, max_batch_tokens, device,
+           json_path):
     """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
     from preload.bench.decode import format_table, run_decode
     from preload.options import BUNDLED_MODEL
 
     try:
         batches, contexts = _int_list(batch, "--batch"), _int_list(context, "--context")
-        result = run_decode(Path(model or BUNDLED_MODEL), device, quant, batches, contexts, output_len,
+        cases = [(b, c) for c in contexts for b in batches if max_batch_tokens is None or b * c <= max_batch_tokens]
+        if not cases:
+            raise click.BadParameter("every case exceeds it", param_hint="--max-batch-tokens")
+        result = run_decode(Path(model or BUNDLED_MODEL), device, quant, cases, output_len,
                             with_transformers, _progress, enforce_eager=enforce_eager, profile=profile)
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None

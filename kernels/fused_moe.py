@@ -116,10 +116,23 @@ def _grouped_gemm(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
-def tile_config(rows: int, n: int, k: int, fp8: bool) -> dict:
-    """Tile sizes and pipelining of one grouped GEMM: rows (pairs) of the batch, an
-    expert's output width n and depth k."""
-    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+def block_rows(pairs: int, num_experts: int) -> int:
+    """Rows (token, expert) pairs a block of one expert takes: few while decoding, where
+    each expert sees a handful of rows and the weights' reading is all the work."""
+    return 16 if pairs <= 8 * num_experts else 32 if pairs <= 32 * num_experts else 64
+
+
+def tile_config(block_m: int, pairs: int, fp8: bool) -> dict:
+    """Tile sizes and pipelining of one grouped GEMM. Swept on an H200 at V2-Lite's shapes
+    inside CUDA graphs (64 experts, top 6, 2048 x 1408, 1 to 256 tokens, results/
+    moe-tiles-h200.json): K tiles of 128 read the weights fastest in every case; at one
+    token e4m3 wants 8 warps (gate/up and down 38 us a layer against 59 before)."""
+    if block_m == 64:  # prefill: compute-bound; not swept
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    if fp8:
+        return {"BLOCK_N": 64 if block_m == 16 else 128, "BLOCK_K": 128, "num_warps": 8 if pairs <= 16 else 4,
+                "num_stages": 3}
+    return {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4 if block_m == 16 else 3}
 
 
 def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *, w2: Weight | None = None,
@@ -129,7 +142,7 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
     q, scale = (w.q, w.scale_inv) if fp8 else (w, w)
     q2, scale2 = ((w2.q, w2.scale_inv) if fp8 else (w2, w2)) if w2 is not None else (q, scale)
     _, n, k = q.shape
-    config = tile_config(pairs, n, k, fp8)
+    config = tile_config(block_m, pairs, fp8)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     # A per-tensor scale is one block as large as any matrix (and bf16 weights have none).
     scale_n, scale_k = w.block if fp8 and scale.shape[1:] != (1, 1) else (1 << 30, 1 << 30)
@@ -156,7 +169,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     pairs = t * top_k
     num_experts = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[0]
     inner = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[1]
-    block_m = 16 if pairs <= 4 * num_experts else 64  # few rows per expert while decoding
+    block_m = block_rows(pairs, num_experts)
     aligned = align_by_expert_triton(ids, num_experts, block_m)  # one launch; align_by_expert is its reference
     x = x.contiguous()
     h = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
@@ -173,7 +186,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     shape, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     t, n = rows.shape[0], w.q.shape[0]
-    block_m = 16 if t <= 64 else 64
+    block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
     capacity = triton.cdiv(t, block_m) * block_m
     pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
     # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)

@@ -32,11 +32,20 @@ from preload.kernels.triton_dot import TRITON_DTYPES, dot_dtype
 if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it)
     from preload.kernels.attention import Pools
 
+# Swept on an H200 inside CUDA graphs at V2-Lite's shapes (16 heads, rank 512), batch 1 to
+# 256, contexts 1k and 8k (results/moe-tiles-h200.json, "mla"): short steps of the loop
+# and short splits keep more loads in flight; 4 warps beat 8 everywhere but at batch 1.
 BLOCK_H = 16  # heads per program: the smallest tile a tensor-core dot takes
-BLOCK_N = 32  # context tokens per step of the loop
-MIN_SPLIT = 64  # tokens a split covers at least: below that, combining costs more than it gains
+MIN_SPLIT = 16  # tokens a split covers at least (batch 1, 1k context: 5.9 us against 11.7 with 64)
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H200 (132)
 MAX_SPLITS = 128  # a graph sizes its splits for the longest context: bounds the partials it keeps
+
+
+@triton.jit
+def _split_len(ctx, splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tokens each split of a sequence covers: as many splits as there are programs
+    (a graph fixes only how many), none shorter than MIN_SPLIT; the rest stay empty."""
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx, splits), MIN_SPLIT), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -49,15 +58,12 @@ def _mla_decode_split(
 ):
     b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    # Each sequence is cut into its own splits (a graph fixes only how many there are): as
-    # many as there are programs, none shorter than MIN_SPLIT; the rest stay empty.
-    split_len = tl.cdiv(tl.maximum(tl.cdiv(ctx, tl.num_programs(2)), MIN_SPLIT), BLOCK_N) * BLOCK_N
+    split_len = _split_len(ctx, tl.num_programs(2), MIN_SPLIT, BLOCK_N)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < heads
-    if lo >= hi:  # an empty split: lse -inf weighs nothing, and its output is never read
-        tl.store(lse_ptr + (b * heads + h) * tl.num_programs(2) + split, float("-inf"), mask=hmask)
+    if lo >= hi:  # past the sequence's end: the combine reads only the splits that wrote
         return
     c_kv_ptr = tl.load(ptrs_ptr).to(tl.pointer_type(CACHE))
     k_pe_ptr = tl.load(ptrs_ptr + 1).to(tl.pointer_type(CACHE))
@@ -94,24 +100,34 @@ def _mla_decode_split(
 
 
 @triton.jit
-def _mla_decode_combine(parts_ptr, lse_ptr, out_ptr, heads, splits,
+def _mla_decode_combine(parts_ptr, lse_ptr, lens_ptr, out_ptr, heads, splits,
                         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                        R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
+                        SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                        MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[b, h, r-block]: the used splits' parts weighed by their share of the softmax."""
+    b, h, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    used = tl.cdiv(ctx, _split_len(ctx, splits, MIN_SPLIT, BLOCK_N))  # the splits that wrote a part
     lse_row = lse_ptr + (b * heads + h) * splits
     s = tl.arange(0, SPLITS)
-    lse = tl.load(lse_row + s, mask=s < splits, other=float("-inf"))
+    lse = tl.load(lse_row + s, mask=s < used, other=float("-inf"))
     top = tl.max(lse, 0)
     total = tl.sum(tl.exp(lse - top), 0)
-    r = tl.arange(0, R)
-    acc = tl.zeros((R,), dtype=tl.float32)
-    for first in range(0, splits, CHUNK):  # a chunk of splits at a time: [CHUNK, R] in registers, not [SPLITS, R]
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for first in range(0, used, CHUNK):  # a chunk of splits at a time: [CHUNK, BLOCK_R] in registers
         sc = first + tl.arange(0, CHUNK)
-        w = tl.exp(tl.load(lse_row + sc, mask=sc < splits, other=float("-inf")) - top)
+        w = tl.exp(tl.load(lse_row + sc, mask=sc < used, other=float("-inf")) - top)
         parts = tl.load(parts_ptr + b * stride_pb + h * stride_ph + sc[:, None] * stride_ps + r[None, :],
-                        mask=(w > 0)[:, None], other=0.0)  # empty splits wrote nothing: never read
+                        mask=(sc < used)[:, None], other=0.0)
         acc += tl.sum(parts * w[:, None], 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, (acc / total).to(out_ptr.dtype.element_ty))
+
+
+def block_n(batch: int) -> int:
+    """Context tokens per step of the loop: 16, or 32 once the batch alone fills the GPU
+    (batch 256, 1k: 238 us against 293)."""
+    return 32 if batch >= 128 else 16
 
 
 def splits_for(batch: int, heads: int, max_context: int) -> int:
@@ -135,13 +151,14 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
         R=rank, DR=q_pe.shape[-1], PAGE=block_size, CACHE=TRITON_DTYPES[pools.c_kv.dtype],
-        FP8=pools.c_scale is not None, DOT=dot_dtype(q_lat.dtype), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        MIN_SPLIT=MIN_SPLIT,
-        num_warps=8 if rank >= 256 else 4,  # a [BLOCK_H, rank] fp32 accumulator: more threads to hold it
+        FP8=pools.c_scale is not None, DOT=dot_dtype(q_lat.dtype), BLOCK_H=BLOCK_H, BLOCK_N=block_n(batch),
+        MIN_SPLIT=MIN_SPLIT, num_warps=4,
     )
     out = torch.empty_like(q_lat)
-    _mla_decode_combine[(batch, heads)](
-        parts, lse, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0), out.stride(1),
-        R=rank, SPLITS=triton.next_power_of_2(splits), CHUNK=min(16, triton.next_power_of_2(splits)),
+    block_r = min(128, rank)  # a program per 128 of the rank: 4x the programs of one per head
+    _mla_decode_combine[(batch, heads, rank // block_r)](
+        parts, lse, context_lens, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
+        out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=min(32, triton.next_power_of_2(splits)),
+        BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT, BLOCK_N=block_n(batch),
     )
     return out

@@ -1,0 +1,195 @@
+"""Tile sweep of the hot decode kernels at V2-Lite shapes on the GPU, timed inside CUDA
+graphs, rotating over several weight copies so L2 holds none of them between launches:
+the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate.
+It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
+Its output on an H200 is results/moe-tiles-h200.json; the choices it led to are in
+fused_moe.tile_config, mla_decode (MIN_SPLIT, block_n) and fused_router.MIN_SPLIT_D.
+
+Compile every variant first in parallel (Triton's disk cache keeps them), then time:
+
+    for i in $(seq 0 11); do PYTHONPATH=$PWD/tests python3 scripts/sweep_kernels.py --compile-shard $i/12 & done; wait
+    PYTHONPATH=$PWD/tests python3 scripts/sweep_kernels.py > sweep.json
+"""
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+import triton
+
+from preload.kernels import fused_moe as fm
+from preload.kernels import fused_router as fr
+from preload.kernels import mla_decode as md
+from preload.kernels.fp8 import FP8
+from preload.kernels.moe_align import align_by_expert_triton
+from preload.kernels.quant import Fp8Weight
+
+E, D, I, K = 64, 2048, 1408, 6
+COPIES = 3
+REPS = 12
+dev = "cuda"
+torch.manual_seed(0)
+
+
+def timed(fn_for_copy) -> float:
+    """us per launch group: REPS calls over rotating copies, in one CUDA graph, best of 5."""
+    for c in range(COPIES):
+        fn_for_copy(c)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(REPS):
+            fn_for_copy(i % COPIES)
+    g.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1000 / REPS)
+    return best
+
+
+def expert_weights(fp8: bool):
+    out = []
+    for _ in range(COPIES):
+        ws = []
+        for n, k in ((I, D), (I, D), (D, I)):
+            w = (torch.randn(E, n, k, device=dev) * 0.02)
+            if fp8:
+                q = (w * 448 / 0.1).clamp(-448, 448).to(FP8)
+                s = torch.rand(E, -(-n // 128), -(-k // 128), device=dev) * 1e-3
+                ws.append(Fp8Weight(q, s, (128, 128)))
+            else:
+                ws.append(w.to(torch.bfloat16))
+        out.append(ws)
+    return out
+
+
+CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+           for bn, bk, (w, s) in itertools.product((32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)))]
+
+
+def moe_cases():
+    for tokens, block_ms in ((1, (16,)), (16, (16,)), (64, (16, 32, 64)), (256, (16, 32, 64))):
+        for block_m in block_ms:
+            for fp8 in (False, True):
+                for kind in ("gate_up", "down"):
+                    yield tokens, block_m, fp8, kind
+
+
+def moe_sweep(shard=None):
+    results = []
+    weights = {False: expert_weights(False), True: expert_weights(True)}
+    jobs = [(case, cfg) for case in moe_cases() for cfg in CONFIGS]
+    if shard:
+        i, n = shard
+        jobs = jobs[i::n]
+    prepared = {}
+    for (tokens, block_m, fp8, kind), cfg in jobs:
+        key = (tokens, block_m)
+        if key not in prepared:
+            ids = torch.rand(tokens, E, device=dev).topk(K, dim=1).indices
+            route = torch.rand(tokens * K, device=dev)
+            x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
+            h = torch.randn(tokens * K, I, device=dev, dtype=torch.bfloat16)
+            prepared[key] = (align_by_expert_triton(ids, E, block_m), route, x, h)
+        aligned, route, x, h = prepared[key]
+        pairs = tokens * K
+        if fp8 and 128 % cfg["BLOCK_K"]:
+            continue
+        fm.tile_config = lambda *a, cfg=cfg: cfg
+        ws = weights[fp8]
+        if kind == "gate_up":
+            out = torch.empty(pairs, I, device=dev, dtype=torch.bfloat16)
+            fn = lambda c: fm._launch(x, ws[c][0], out, aligned, pairs, K, block_m, w2=ws[c][1])  # noqa: E731
+        else:
+            out = torch.empty(pairs, D, device=dev, dtype=torch.bfloat16)
+            fn = lambda c: fm._launch(h, ws[c][2], out, aligned, pairs, K, block_m, route=route, rows_per_pair=True)  # noqa: E731
+        try:
+            us = timed(fn) if not shard else (fn(0), torch.cuda.synchronize(), 0.0)[2]
+        except Exception as e:  # out of shared memory, etc.
+            us = None
+            print(f"{tokens} {block_m} {fp8} {kind} {cfg}: {type(e).__name__} {str(e)[:100]}", file=sys.stderr)
+        results.append(dict(tokens=tokens, block_m=block_m, fp8=fp8, kind=kind, us=us, **cfg))
+    return results
+
+
+def mla_sweep():
+    from kernel_cases import paged_case
+
+    results = []
+    for batch, ctx in ((1, 1024), (1, 8192), (16, 1024), (64, 1024), (64, 8192), (256, 1024)):
+        cases = [paged_case([ctx] * batch, 16, 512, 64, 16, False, seed=s) for s in range(COPIES)]
+        width = 163840
+        for min_split, block_n, warps in itertools.product((16, 32, 64, 128), (16, 32, 64), (4, 8)):
+            if min_split < block_n:
+                continue
+            md.MIN_SPLIT, md.BLOCK_N = min_split, block_n
+            splits = md.splits_for(batch, 16, width)
+
+            def fn(c, splits=splits, warps=warps):
+                q_lat, q_pe, pools, table, lens = cases[c]
+                parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
+                lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
+                md._mla_decode_split[(batch, 1, splits)](
+                    q_lat, q_pe, pools.ptrs, table, lens, parts, lse, 16, 0.1,
+                    q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
+                    parts.stride(0), parts.stride(1), parts.stride(2),
+                    R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
+                    BLOCK_H=16, BLOCK_N=md.BLOCK_N, MIN_SPLIT=md.MIN_SPLIT, num_warps=warps)
+            try:
+                us = timed(fn)
+            except Exception as e:
+                us = None
+                print(f"mla {batch} {ctx} {min_split} {block_n} {warps}: {str(e)[:100]}", file=sys.stderr)
+            results.append(dict(batch=batch, ctx=ctx, min_split=min_split, block_n=block_n, warps=warps, splits=splits, us=us))
+        # the whole call as the model makes it (split + combine), at the current settings
+    return results
+
+
+def full_call_mla():
+    from kernel_cases import paged_case
+    results = []
+    for batch, ctx in ((1, 1024), (1, 8192), (64, 1024)):
+        cases = [paged_case([ctx] * batch, 16, 512, 64, 16, False, seed=s) for s in range(COPIES)]
+        fn = lambda c: md.mla_decode_latent(*cases[c][:4], cases[c][4], 16, 163840, 0.1)  # noqa: E731
+        results.append(dict(batch=batch, ctx=ctx, us=timed(fn), min_split=md.MIN_SPLIT, block_n=md.BLOCK_N))
+    return results
+
+
+def gate_sweep():
+    results = []
+    gates = [torch.randn(E, D, device=dev) * 0.02 for _ in range(COPIES)]
+    for tokens in (1, 16, 64, 256):
+        x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
+        for min_split in (64, 128, 256, 512):
+            fr.MIN_SPLIT_D = min_split
+            try:
+                us = timed(lambda c: fr.fused_route(x, gates[c], None, K, 1, 1, "softmax", False, False, 1.0))
+            except Exception as e:
+                us = None
+                print(f"gate {tokens} {min_split}: {str(e)[:100]}", file=sys.stderr)
+            results.append(dict(tokens=tokens, min_split_d=min_split, us=us))
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--compile-shard":
+        i, n = map(int, sys.argv[2].split("/"))
+        COPIES = 1
+        moe_sweep((i, n))
+        sys.exit(0)
+    t = time.time()
+    out = {"moe": moe_sweep(), "moe_s": time.time() - t}
+    print(f"moe sweep {time.time() - t:.0f} s", file=sys.stderr)
+    out["mla_full_default"] = full_call_mla()
+    out["mla"] = mla_sweep()
+    out["gate"] = gate_sweep()
+    out["total_s"] = time.time() - t
+    json.dump(out, sys.stdout, indent=1)
