@@ -26,7 +26,7 @@ QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
 KV_CACHE_DTYPES = ("auto", "fp8")
-STATE_DIR_HELP = "Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID]."
+STATE_DIR_HELP = "Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /run/preload for root, else /tmp/preload-$UID]."
 CPU_KV_CACHE_BYTES = 512 << 20  # what --kv-cache-memory auto means on CPU, and for an in-process LLM
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -82,10 +82,25 @@ class EngineOptions:
     kv_cache_dtype: str = option("auto", "auto: the model's dtype; fp8: e4m3 with a scale per cached vector.",
                                  choices=KV_CACHE_DTYPES)
     block_size: int = option(16, "Tokens per KV cache block.", bounds=(1, 1024))
-    max_num_seqs: int = option(256, "Sequences in the running batch at most.", bounds=(1, None))
+    max_num_seqs: int = option(256, "Sequences admitted (holding KV cache blocks) at most.", bounds=(1, None))
     max_num_batched_tokens: int = option(2048, "Tokens one engine step computes at most.", bounds=(1, None))
+    max_num_active_seqs: int | None = option(
+        None, "Sequences computed in one step at most; the admitted ones (up to --max-num-seqs) take turns"
+        " [default: --max-num-seqs].", bounds=(1, None))
+    long_prefill_token_threshold: int = option(
+        0, "A prompt longer than this is prefilled in chunks of at most this many tokens, divided among the prefills"
+        " waiting, so that short requests behind it are not starved (0: off).", bounds=(0, None))
     enforce_eager: bool = option(
         False, "Run every step eagerly: no CUDA graphs captured at start (a faster start, slower decoding).")
+    logits_processors: tuple[str, ...] = option(
+        (), "A logits processor applied to every request: module:Class, or module:Class={json args} (repeatable;"
+        " see worker/engine/logits_processors.py).")
+    speculative_config: str | None = option(
+        None, 'Speculative decoding, as JSON: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens a step'
+        " with the checkpoint's MTP layer, verified in one pass of the model.")
+    enable_prefix_caching: bool = option(
+        True, "Share the KV cache of full blocks between requests that begin with the same tokens (and the same"
+        " cache_salt).", flag="--enable-prefix-caching/--no-enable-prefix-caching")
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,9 @@ class DaemonOptions:
         bounds=(0, 8))
     host: str = option("127.0.0.1", "API host of the workers.")
     port: int = option(8000, "API port, owned by the daemon.", bounds=(0, 65535))
+    keeper: bool = option(True, "Keep the weights and the API socket in a small keeper process, so that a daemon"
+                          " killed and started again on the same state dir takes them back instead of loading"
+                          " (--no-keeper: they go with the daemon).", flag="--keeper/--no-keeper")
     zygote: bool = option(True, "Fork workers from a zygote that has imported everything (--no-zygote: start each"
                           " as a fresh interpreter, slower).", flag="--zygote/--no-zygote")
     worker_start_timeout: float = option(

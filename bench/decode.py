@@ -7,7 +7,8 @@ worker runs) with a KV cache large enough for the largest batch at the longest c
 For each (context, batch): `batch` prompts of `context` random tokens, greedy, exactly
 `output_len` tokens each (EOS ignored). The prefill (until every sequence has its first
 token) and the decode (the remaining output_len - 1 steps) are timed apart; decode tok/s
-is batch * (output_len - 1) / decode seconds.
+is batch * (output_len - 1) / decode seconds. With MTP drafts (speculative decoding) a
+"step" is a verify pass: ms/step is per pass, tok/s counts tokens.
 
 The limit: a decode step must read every weight it uses once (dense layers, attention,
 shared experts, the output head, and the routed experts that the batch's tokens touch,
@@ -157,7 +158,7 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
 
 def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[int, int]], output_len: int,
                transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
-               profile: bool = False) -> dict:
+               profile: bool = False, speculative: tuple[int, ...] = (0,)) -> dict:
     from preload.worker.llm import LLM
 
     t0 = time.perf_counter()
@@ -172,18 +173,25 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
     batches = sorted({b for b, _ in cases})
     first_context = cases[0][1]
     tokens = max(b * (c + output_len + 16) for b, c in cases)
-    for quant in quants:
-        kv = tokens * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16)
-        engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager)
+    for quant, k in ((q, k) for q in quants for k in speculative):
+        kv = tokens * bytes_per_token(cfg, cfg.num_layers + 1, torch.bfloat16)  # (+1: an MTP drafter's layer)
+        spec = f'{{"method": "mtp", "num_speculative_tokens": {k}}}' if k else None
+        engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager,
+                               speculative_config=spec, enable_prefix_caching=False)  # (random prompts: no hits anyway)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
         result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
         for batch, context in cases:
-            progress(f"{quant}: batch {batch}, context {context}")
+            progress(f"{quant}{f', {k} MTP drafts' if k else ''}: batch {batch}, context {context}")
+            before = llm.engine.stats()
             case = run_case(llm, batch, context, output_len, cfg.vocab_size, seed=batch)
+            after = llm.engine.stats()
+            drafted = after.spec_draft_tokens - before.spec_draft_tokens
+            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
             limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
-            case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000)}
+            case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000),
+                     "speculative_tokens": k, "acceptance_rate": accepted / drafted if drafted else None}
             result["runs"].append(case)
             if profile and context == first_context and dev.type == "cuda":
                 result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
@@ -205,14 +213,16 @@ def format_table(result: dict) -> str:
              f"{m.get('cuda_device') or m.get('cpu_model')}; copy bandwidth "
              f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
              f" {result['wall_s']:.0f} s", ""]
-    head = ("quant", "context", "batch", "tok/s", "ms/step", "HBM %", "prefill tok/s", "prefill s")
-    widths = (14, 8, 6, 10, 8, 6, 13, 9)
+    head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "prefill tok/s", "prefill s")
+    widths = (14, 6, 8, 6, 10, 8, 6, 8, 13, 9)
     lines.append(row(head, widths))
     for r in result["runs"]:
-        lines.append(row((r["quant"], r["context"], r["batch"], f"{r['output_tok_s']:.1f}", f"{r['ms_per_step']:.2f}",
-                          f"{r['hbm_percent']:.1f}", f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}"), widths))
+        rate = r.get("acceptance_rate")
+        lines.append(row((r["quant"], r.get("speculative_tokens", 0), r["context"], r["batch"], f"{r['output_tok_s']:.1f}",
+                          f"{r['ms_per_step']:.2f}", f"{r['hbm_percent']:.1f}", "-" if rate is None else f"{100 * rate:.0f}%",
+                          f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}"), widths))
     for r in result["transformers"]:
-        lines.append(row(("transformers", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-",
+        lines.append(row(("transformers", "-", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-", "-",
                           f"{r['total_s']:.2f}"), widths))
     for p in result.get("profiles", []):
         lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"

@@ -35,6 +35,25 @@ def json_option(name: str):
                         default=Path(f"bench-{name}.json"), show_default=True, help="Where to write the results.")
 
 
+model_option = click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+                            help="Checkpoint dir [default: the bundled model].")
+
+
+def _model_path(model: Path | None) -> Path:
+    from preload.options import BUNDLED_MODEL
+
+    return Path(model or BUNDLED_MODEL).absolute()
+
+
+def _run(run, format_table, json_path: Path, *args) -> None:
+    """`run(*args, progress)`, its table printed and its JSON written; its errors one line."""
+    try:
+        result = run(*args, _progress)
+    except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+        raise click.ClickException(str(e)) from None
+    _report(result, format_table, json_path)
+
+
 device_option = click.option("--device", default=DaemonOptions().device, show_default=True,
                              help="Passed to `preload start --device`.")
 
@@ -112,12 +131,14 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
               help="Also time transformers generate on the same file (batches up to 16, the first context).")
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: every step eager (as a worker with --enforce-eager).")
 @click.option("--profile", is_flag=True, help="Also profile a few decode steps per batch (first context): top kernels.")
+@click.option("--speculative-tokens", default="0", show_default=True,
+              help="Comma-separated MTP draft counts to measure (0: no speculative decoding).")
 @click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
               help="Skip the (batch, context) cases whose batch x context exceeds this [default: run all].")
 @device_option
 @json_option("decode")
-def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, max_batch_tokens, device,
-           json_path):
+def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, speculative_tokens,
+           max_batch_tokens, device, json_path):
     """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
     from preload.bench.decode import format_table, run_decode
     from preload.options import BUNDLED_MODEL
@@ -127,20 +148,22 @@ def decode(model, quant, batch, context, output_len, with_transformers, enforce_
         cases = [(b, c) for c in contexts for b in batches if max_batch_tokens is None or b * c <= max_batch_tokens]
         if not cases:
             raise click.BadParameter("every case exceeds it", param_hint="--max-batch-tokens")
+        drafts = tuple(_int_list(speculative_tokens, "--speculative-tokens", minimum=0))
         result = run_decode(Path(model or BUNDLED_MODEL), device, quant, cases, output_len,
-                            with_transformers, _progress, enforce_eager=enforce_eager, profile=profile)
+                            with_transformers, _progress, enforce_eager=enforce_eager, profile=profile,
+                            speculative=drafts)
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)
 
 
-def _int_list(text: str, option: str) -> list[int]:
+def _int_list(text: str, option: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"{text!r}: positive integers, comma-separated", param_hint=option)
+    if not values or min(values) < minimum:
+        raise click.BadParameter(f"{text!r}: integers >= {minimum}, comma-separated", param_hint=option)
     return values
 
 
@@ -200,6 +223,50 @@ def restart(restarts, cold_repeat, small, large, no_large, no_small, device, jso
         except (OSError, RuntimeError, TimeoutError) as e:
             raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)
+
+
+@bench.command("readopt")
+@model_option
+@click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Daemon SIGKILLs and starts.")
+@device_option
+@json_option("readopt")
+def readopt(model, repeat, device, json_path):
+    """A daemon SIGKILLed and started again: the kept weights, port and worker taken back, vs a cold start."""
+    from preload.bench.readopt import format_table, run_readopt
+
+    _run(run_readopt, format_table, json_path, _model_path(model), device, repeat)
+
+
+@bench.command("prefix")
+@model_option
+@click.option("--system-tokens", type=click.IntRange(16), default=2048, show_default=True,
+              help="Length of the shared system prompt.")
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="Repeated requests timed.")
+@click.option("--conversations", type=click.IntRange(1), default=4, show_default=True, help="Chats replayed.")
+@click.option("--turns", type=click.IntRange(1), default=4, show_default=True, help="Turns per chat.")
+@device_option
+@json_option("prefix")
+def prefix(model, system_tokens, repeats, conversations, turns, device, json_path):
+    """Prefix caching: TTFT of a shared system prompt, first vs repeated, and a chat replay's hit rate."""
+    from preload.bench.prefix import format_table, run_prefix
+
+    _run(run_prefix, format_table, json_path, _model_path(model), device, system_tokens, repeats, conversations, turns)
+
+
+@bench.command("scheduling")
+@model_option
+@click.option("--count", type=click.IntRange(1), default=64, show_default=True, help="Long prompts, and short ones.")
+@click.option("--long-len", type=click.IntRange(2), default=1024, show_default=True, help="Tokens of a long prompt.")
+@click.option("--short-len", type=click.IntRange(1), default=16, show_default=True, help="Tokens of a short prompt.")
+@click.option("--threshold", type=click.IntRange(1), default=256, show_default=True,
+              help="The --long-prefill-token-threshold measured against none.")
+@device_option
+@json_option("scheduling")
+def scheduling(model, count, long_len, short_len, threshold, device, json_path):
+    """Short requests queued behind long ones: their TTFT with and without the long-prefill threshold."""
+    from preload.bench.scheduling import format_table, run_scheduling
+
+    _run(run_scheduling, format_table, json_path, _model_path(model), device, count, long_len, short_len, threshold)
 
 
 @bench.command("memory")

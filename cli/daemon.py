@@ -23,7 +23,9 @@ def status(state_dir, as_json):
 
     state_dir = state_dir_path(state_dir)
     if lock_holder(state_dir / "daemon.lock") is None:  # no daemon: say so at once, and what it left running
-        left = [{"pid": p.pid, "process": " ".join(p.cmdline()).strip()} for p in _leftovers(state_dir)]
+        from preload.preloadd.orphans import left_running
+
+        left = [{"pid": p.pid, "process": " ".join(p.cmdline()).strip()} for p in left_running(state_dir)]
         if as_json:
             click.echo(json.dumps({"state": "absent", "left_running": left}, indent=2))
         else:
@@ -61,25 +63,13 @@ def status(state_dir, as_json):
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 
 
-def _leftovers(state_dir) -> list:
-    """Processes of ours that a dead daemon of `state_dir` left running (workers, spares,
-    its zygote): their titles name the state dir."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline", "uids"]):
-        cmd = " ".join(p.info["cmdline"] or []) + " "
-        if (p.pid != os.getpid() and p.info["uids"] and p.info["uids"].real == os.getuid()
-                and cmd.startswith("preload ") and f"--state-dir {state_dir} " in cmd):
-            found.append(p)
-    return found
-
-
 def _stop_leftovers(state_dir, timeout: float) -> None:
     """No daemon: SIGTERM what it left running (workers drain, then exit) and wait."""
     import psutil
 
-    left = _leftovers(state_dir)
+    from preload.preloadd.orphans import left_running
+
+    left = left_running(state_dir)
     if not left:
         click.echo(f"no preload daemon running on {state_dir}")
         return

@@ -52,3 +52,25 @@ def map_arena(info: ArenaInfo, fds: list[int]):
     for fd in fds:
         os.close(fd)
     raise ArenaError(f"cannot map arena {info!r}: unknown transport, or no device for a CUDA one")
+
+
+class HeldArena:
+    """The daemon side of an arena it did not create: one taken back from the keeper a
+    crashed daemon left (preloadd/keeper.py). Sealed already, never mapped here: the
+    daemon only hands its fds to workers, as it does a fresh one's."""
+
+    def __init__(self, info: ArenaInfo, fds: list[int]):
+        if info.transport not in ("memfd", "cuda-vmm") or len(fds) != 1:
+            raise ArenaError(f"cannot hold arena {info!r} with {len(fds)} fds")
+        self._info, self._fds, self.size = info, list(fds), info.size
+
+    def info(self) -> ArenaInfo:
+        return self._info
+
+    def fds(self) -> list[int]:
+        return self._fds
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

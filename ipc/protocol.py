@@ -27,8 +27,12 @@ class ProtocolError(ValueError):
 
 
 def default_state_dir() -> Path:
+    """$XDG_RUNTIME_DIR/preload; else /run/preload for root; else /tmp/preload-$UID, which
+    preload start makes 0700 itself and refuses if another user made it first."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "preload" if runtime else Path(f"/tmp/preload-{os.getuid()}")
+    if runtime:
+        return Path(runtime) / "preload"
+    return Path("/run/preload") if os.getuid() == 0 else Path(f"/tmp/preload-{os.getuid()}")
 
 
 def control_address(state_dir: Path) -> str:
@@ -37,6 +41,11 @@ def control_address(state_dir: Path) -> str:
 
 def fd_socket_path(state_dir: Path) -> Path:
     return state_dir / "fds.sock"
+
+
+def workers_socket_path(state_dir: Path) -> Path:
+    """Where a daemon takes over the workers a dead one of its state dir left (worker/link.py)."""
+    return Path(state_dir) / "workers.sock"
 
 
 def encode(msg: dict) -> bytes:

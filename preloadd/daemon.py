@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -24,14 +23,16 @@ import torch
 
 from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.reader import resolve_device, resolve_dtype
-from preload.ipc.arena import default_transport
-from preload.ipc.protocol import fd_socket_path
+from preload.ipc.arena import HeldArena, default_transport
+from preload.ipc.protocol import ProtocolError, fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
-from preload.preloadd import systemd
+from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
-from preload.preloadd.loader import Loaded, Progress, load
+from preload.preloadd.keeper import KeeperLink, Kept
+from preload.preloadd.loader import Loaded, LoadError, Progress, kept_manifest, load
+from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
 from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, prepare_state_dir, write_private_json
 from preload.preloadd.supervisor import Supervisor
 
@@ -86,6 +87,9 @@ class Daemon:
         self.stop_requested = threading.Event()
         self.control: ControlServer | None = None
         self.supervisor: Supervisor | None = None
+        self.keeper: KeeperLink | None = None
+        self.readopted = False  # the weights were taken back from a keeper, not loaded
+        self._keeper_stale = False  # the keeper we took over holds an API socket we do not serve
         self.errors = 0
 
     # ---- requests (from the control thread) ------------------------------------------------
@@ -150,6 +154,8 @@ class Daemon:
             "state_dir": str(o.state_dir),
             "bytes_per_device": {str(r.device): self.loaded.arena.size if self.loaded else 0},
             "fingerprint": self.loaded.manifest.fingerprint if self.loaded else None,
+            "readopted": self.readopted,
+            "keeper_pid": self.keeper.pid if self.keeper else None,
             "attached_workers": self.attached(),
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": self.progress.seconds,
@@ -176,8 +182,12 @@ class Daemon:
                 gpu_lock = device_lock(str(r.device), torch.cuda.get_device_properties(r.device).uuid)
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
+            kept = self._take_kept()  # what a keeper of a dead daemon of this state dir holds
             http = HttpServer(make_app(self.status, self.metrics), self._listen("health", o.health_host, o.health_port))
-            if o.workers:  # bound now, so that clients queue in its backlog from the start
+            # The API socket is bound now (or was kept open all along), so that clients queue in its backlog
+            # from the start.
+            api = self._kept_api(kept)
+            if o.workers and api is None:
                 api = self._listen("API", o.host, o.port)
             # The ports as bound (--port 0 picks them), for status, the start line and `preload status`
             # while the control socket is not up yet (during the load).
@@ -193,24 +203,36 @@ class Daemon:
                 # the cache lives beside the sockets, as private as they are.
                 os.environ.setdefault("TRITON_CACHE_DIR", str(o.state_dir / "triton"))
                 # The workers' metrics, one file per process, read together by every /metrics
-                # (worker/api/metrics.py); a killed daemon's are stale: begin empty.
+                # (worker/api/metrics.py); a killed daemon's are stale, but not those of the
+                # workers it left, which this daemon takes over.
                 metrics_dir = o.state_dir / "metrics"
-                shutil.rmtree(metrics_dir, ignore_errors=True)
-                metrics_dir.mkdir(mode=0o700)
+                metrics_dir.mkdir(mode=0o700, exist_ok=True)
+                for f in metrics_dir.iterdir():
+                    pid = f.stem.rpartition("_")[2]
+                    if not (pid.isdigit() and psutil.pid_exists(int(pid))):
+                        f.unlink()
                 os.environ[MULTIPROC_ENV] = str(metrics_dir)
                 self.metrics.read_workers(metrics_dir)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for)
                 self.supervisor.prepare()  # the zygote imports while we load
-            self._load(notify)
+            self._load(notify, kept)
+            if self.keeper is not None and self._keeper_stale:
+                self.keeper.release()  # it holds an API socket we no longer serve; ours hold the weights
+                self.keeper = None
+            if o.keeper and self.keeper is None and r.transport != "cuda-ipc":  # (IPC handles die with us)
+                self.keeper = KeeperLink.spawn(o.state_dir, Kept(self.manifest_wire, self.loaded.arena.fds(), api))
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if self.supervisor:
-                self.supervisor.start()
+                self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.loaded.manifest.fingerprint,
+                                               orphan_slots(o.state_dir)))
                 why = self.supervisor.wait_started(o.worker_start_timeout)
                 if why:
                     said = last_line(o.state_dir / "worker-0.log")
                     raise DaemonError(f"{why} (worker 0 said: {said}); see {o.state_dir}/worker-*.log")
+            if self.keeper:
+                self.keeper.wait_kept()
             self.state = "ready"
             fp = self.loaded.manifest.fingerprint
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
@@ -232,6 +254,8 @@ class Daemon:
                 self.control.close()
             if self.loaded:
                 self.loaded.arena.close()
+            if self.keeper:
+                self.keeper.release()  # a clean stop: the weights go
             if http:
                 http.close()
                 (o.state_dir / DAEMON_FILE).unlink(missing_ok=True)
@@ -245,9 +269,38 @@ class Daemon:
         except OSError as e:
             raise DaemonError(f"{what} port: {e.strerror}") from None
 
-    def _load(self, notify: Callable[[dict], None]) -> None:
+    def _take_kept(self) -> tuple[KeeperLink, Kept] | None:
+        try:
+            return keeper.take(self.opts.state_dir)
+        except (OSError, ProtocolError) as e:
+            log.warning("the keeper in %s did not hand over: %s", self.opts.state_dir, e)
+            return None
+
+    def _kept_api(self, found: tuple[KeeperLink, Kept] | None) -> socket.socket | None:
+        """The kept API socket, if it is bound where this daemon is to listen."""
+        if found is None:
+            return None
+        sock, found[1].api = found[1].api, None
+        if sock is None:
+            self._keeper_stale = bool(self.opts.workers)  # it keeps no API socket; ours needs keeping
+            return None
+        host, port = sock.getsockname()[:2]
+        try:
+            same_host = host in (self.opts.host, socket.gethostbyname(self.opts.host))
+        except OSError:
+            same_host = False
+        if self.opts.workers and self.opts.port in (0, port) and same_host:
+            log.info("API port %s:%d kept open by the keeper across the restart", host, port)
+            return sock
+        sock.close()  # the operator moved it, or wants no workers: the old port closes now
+        self._keeper_stale = True  # the keeper holds it too: it gets a fresh keeper after the load
+        return None
+
+    def _load(self, notify: Callable[[dict], None], found: tuple[KeeperLink, Kept] | None) -> None:
         o, r = self.opts, self.r
         self.state = "loading"
+        if found is not None and self._readopt(*found):
+            return
         log.info("loading %s (quant %s, %s, %s)", r.model, o.quant, r.dtype, r.device)
         last = [0.0]
 
@@ -257,10 +310,40 @@ class Daemon:
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
-        self.loaded = load(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress)
-        self.manifest_wire = self.loaded.manifest.to_wire()
+        self._loaded(load(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress))
+
+    def _readopt(self, link: KeeperLink, kept: Kept) -> bool:
+        """Own the weights a keeper held through a crash, if they are what we would load
+        (else release them first: never two copies); True if we do."""
+        o, r = self.opts, self.r
+        try:
+            manifest = kept_manifest(kept.manifest, r.model, o.quant, r.dtype, r.device, r.transport)
+            arena = HeldArena(manifest.arena, kept.arena_fds)
+        except (LoadError, ValueError) as e:
+            log.warning("the keeper (pid %d) holds other weights: %s; letting them go and loading", link.pid, e)
+            link.release()
+            kept.close()
+            return False
+        kept.arena_fds = []
+        p = self.progress
+        p.total_bytes = p.done_bytes = arena.size
+        p.tensors_total = p.tensors_done = len(manifest.layout.name)
+        p.seconds = time.monotonic() - p.started
+        self._loaded(Loaded(arena, manifest))
+        self.readopted = True
+        if o.keeper:
+            self.keeper = link  # it goes on holding, for the next crash
+        else:
+            link.release()  # we hold our own fds now
+        log.info("took back %d bytes of weights from the keeper (pid %d) in %.3f s, without reading the checkpoint",
+                 arena.size, link.pid, p.seconds)
+        return True
+
+    def _loaded(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.manifest_wire = loaded.manifest.to_wire()
         self.metrics.load_seconds.set(self.progress.seconds)
-        self.metrics.resident_bytes.labels(str(r.device)).set(self.loaded.arena.size)
+        self.metrics.resident_bytes.labels(str(self.r.device)).set(loaded.arena.size)
 
     def _on_error(self) -> None:
         self.errors += 1

@@ -20,11 +20,12 @@ import psutil
 import torch
 
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.identity import AUX_FILES, checkpoint_record, fingerprint, tensor_digest
+from preload.checkpoint.identity import AUX_FILES, IdentityError, checkpoint_record, fingerprint, tensor_digest, verify_checkpoint
 from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
 from preload.ipc.arena import create_arena
 from preload.ipc.layout import Layout, TensorEntry, pack
 from preload.ipc.manifest import FILE_PREFIX, Manifest
+from preload.ipc.protocol import ProtocolError
 from preload.kernels.quant import quantize_weight, stored_layout
 
 LOADER_THREADS = 8
@@ -156,3 +157,28 @@ def load(
         fingerprint=fingerprint(record.aux, digests, settings),
     )
     return Loaded(arena, manifest)
+
+
+def kept_manifest(wire: dict, model_dir: Path, quant: str, dtype: torch.dtype, device: torch.device,
+                  transport: str) -> Manifest:
+    """The manifest of weights a keeper holds, if they are what this daemon would load:
+    the same checkpoint (unchanged on disk, as attaching checks it), quant, dtype, device
+    and transport, and a fingerprint that its record reproduces. LoadError says why not."""
+    try:
+        m = Manifest.from_wire(wire)
+    except ProtocolError as e:
+        raise LoadError(f"a malformed manifest ({e})") from None
+    want = {"model": str(model_dir), "quant": quant, "dtype": str(dtype).removeprefix("torch."), "device": str(device)}
+    for key, value in want.items():
+        if getattr(m, key) != value:
+            raise LoadError(f"{key} {getattr(m, key)}, not {value}")
+    if m.arena.transport != transport:
+        raise LoadError(f"transport {m.arena.transport}, not {transport}")
+    digests = {name: d for f in m.record.files.values() for name, d in f.tensors.items()}
+    if fingerprint(m.record.aux, digests, {"quant": m.quant, "dtype": m.dtype}) != m.fingerprint:
+        raise LoadError("a manifest whose fingerprint its record does not reproduce")
+    try:
+        verify_checkpoint(model_dir, m.record)
+    except IdentityError as e:
+        raise LoadError(f"another checkpoint than {model_dir} holds now ({e})") from None
+    return m

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from preload.options import DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
+from preload.preloadd.orphans import Adoption
 from preload.preloadd.rolling import RollingRestart
 from preload.preloadd.workers import Slot, Worker, become_subreaper, describe_exit, reap, reap_orphans, unregister
 
@@ -54,6 +55,7 @@ class Supervisor:
         self.spare_pool = Slot()  # restarts and backoff of the spares
         self.zygotes = zyg.Zygotes(self.spec, listen.fileno()) if opts.zygote else None
         self.rolling: RollingRestart | None = None
+        self.adoption: Adoption | None = None
         self._restart_queued = False
         self._stopping: float | None = None  # the stop's deadline
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,7 +75,11 @@ class Supervisor:
         if self.zygotes:
             self.zygotes.start(self._sel)
 
-    def start(self) -> None:
+    def start(self, adoption: Adoption | None = None) -> None:
+        """Run the loop; with `adoption`, take over the workers a dead daemon left."""
+        self.adoption = adoption
+        if adoption is not None:
+            self._sel.register(adoption.listener, selectors.EVENT_READ, self._take_orphan)
         self._publish()
         self._thread.start()
 
@@ -197,6 +203,33 @@ class Supervisor:
         self._sel.register(worker.pidfd, selectors.EVENT_READ, lambda: self._reap(worker))
         self._sel.register(worker.link, selectors.EVENT_READ, lambda: self._hear(worker))
         return worker
+
+    def _take_orphan(self) -> None:
+        """An orphan calls: supervise it again as its slot's worker, or have it retire."""
+        got = self.adoption.listener.accept()
+        if got is None:
+            return
+        conn, claim = got
+        why = self.adoption.verdict(claim, len(self.slots), lambda slot: self.holder(slot) is None)
+        if why is None and self._stopping is not None:
+            why = "the daemon is stopping"
+        try:
+            pidfd = os.pidfd_open(claim["pid"])
+            conn.send(json.dumps({"adopted": True} if why is None else {"retire": why}).encode())
+        except OSError:
+            conn.close()
+            return  # it is gone already
+        worker = Worker(claim["pid"], conn, pidfd, claim["slot"] if why is None else None, adopted=True, told=True)
+        worker.stamps["adopted"] = time.time()
+        if why is None:
+            worker.state, worker.heard = "ready", time.monotonic()
+            worker.kv_cache_bytes = int(claim.get("kv_cache_bytes") or 0)
+            log.info("worker %d (pid %d), left by the last daemon, is supervised again", worker.slot, worker.pid)
+        else:
+            worker.retiring, worker.state = True, "draining"
+            worker.deadline = time.monotonic() + self.opts.worker.drain_timeout + 5
+            log.warning("pid %d, left by the last daemon, retires: %s", worker.pid, why)
+        self.adopt(worker)
 
     def go(self, worker: Worker) -> None:
         """Tell a worker (forked for its slot, or a spare just given one) to serve its slot."""
@@ -325,6 +358,8 @@ class Supervisor:
         now = time.monotonic()
         for slot, info in enumerate(self.slots):
             if self.holder(slot) is None and now >= info.next_start:
+                if self.adoption is not None and self.adoption.waiting_for(slot):
+                    continue  # its orphan lives and will call
                 self._fill(slot)
         starting = any(w.slot is not None and w.state != "ready" and not w.retiring for w in self.workers.values())
         # Spares warm up while no worker is starting, so that they never slow down one that is.
@@ -391,6 +426,8 @@ class Supervisor:
             self.zygotes.stop()
         self._publish()
         self._sel.close()
+        if self.adoption is not None:
+            self.adoption.listener.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import selectors
 import signal
 import socket
@@ -34,6 +35,7 @@ class Worker:
     told: bool = False  # given its slot
     retiring: bool = False  # replaced on purpose: its exit is not a failure
     relief: bool = False  # a rolling restart's replacement that does not hold its slot yet
+    adopted: bool = False  # left by an earlier daemon: not our child, its exit status unknown
     since: float = field(default_factory=time.monotonic)  # forked, or told its slot
     heard: float | None = None  # its last message
     steps: int = 0  # engine steps, from its last beat
@@ -145,6 +147,8 @@ def reap(worker: Worker, block: bool = False) -> int | None:
     """The worker's exit code once it has exited (None if it has not); reaps it."""
     if worker.proc is not None:
         return worker.proc.wait() if block else worker.proc.poll()
+    if worker.adopted:  # not our child: its pidfd says whether it has exited, not how
+        return 0 if select.select([worker.pidfd], [], [], None if block else 0)[0] else None
     try:
         pid, status = os.waitpid(worker.pid, 0 if block else os.WNOHANG)
     except ChildProcessError:

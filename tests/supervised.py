@@ -71,12 +71,15 @@ def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8,
     return out
 
 
+KEEPER_TITLE = "preload keeper"  # the daemon's keeper (tests/preloadd/test_keeper.py), no worker of it
+
+
 def children(pid: int) -> list[psutil.Process]:
-    """Live (not zombie) direct children of `pid`."""
+    """Live (not zombie) direct children of the daemon `pid`: its zygote and workers."""
     out = []
     for c in psutil.Process(pid).children():
         try:
-            if c.status() != psutil.STATUS_ZOMBIE:
+            if c.status() != psutil.STATUS_ZOMBIE and not " ".join(c.cmdline()).startswith(KEEPER_TITLE):
                 out.append(c)
         except psutil.NoSuchProcess:
             pass

@@ -9,25 +9,41 @@ Messages are JSON, one per packet:
 
 The beats let the daemon find a worker that is frozen (no beat at all) or whose engine
 has work but makes no step. When the daemon dies, a spare reads EOF and exits; a
-serving worker keeps serving (its beats then fail, quietly).
+serving worker keeps serving and, every REJOIN_INTERVAL, tries the socket where a new
+daemon of its state dir takes over the workers the last one left (preloadd/orphans.py):
+  worker -> daemon  {"event": "adopt", "pid": p, "slot": k, "fingerprint": f, "kv_cache_bytes": n}
+  daemon -> worker  {"adopted": true}       supervised again: beats go on the new link
+                    {"retire": "why"}       drain and exit (the slot gets a fresh worker)
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
+
+from preload.ipc.protocol import workers_socket_path
 
 log = logging.getLogger("preload.worker")
 
 HEARTBEAT_INTERVAL = 0.5  # seconds; the daemon's --worker-timeout is several of these
+REJOIN_INTERVAL = 0.2  # seconds between tries to reach a new daemon once ours is gone
 
 
 class DaemonLink:
-    def __init__(self, fd: int, on_slot: Callable[[int], None] = lambda slot: None):
-        self.sock, self.on_slot = socket.socket(fileno=fd), on_slot
+    """`rejoin`: the state dir's socket to try once the daemon is gone, and `on_retire`
+    what to do when a new daemon says no (drain and exit)."""
+
+    def __init__(self, fd: int, on_slot: Callable[[int], None] = lambda slot: None, state_dir: Path | None = None,
+                 on_retire: Callable[[str], None] = lambda why: None):
+        self.sock, self.on_slot, self.on_retire = socket.socket(fileno=fd), on_slot, on_retire
+        self.rejoin_path = workers_socket_path(state_dir) if state_dir is not None else None
+        self.slot: int | None = None
+        self.claim: dict = {}  # what a new daemon is told of us: fingerprint, kv_cache_bytes
         self._send_lock = threading.Lock()  # beats come from their own thread
         self._stop = threading.Event()
 
@@ -51,6 +67,7 @@ class DaemonLink:
             return None
         slot = int(json.loads(data)["slot"])
         self.on_slot(slot)
+        self.slot = slot
         return slot
 
     def beat(self, progress: Callable[[], tuple[int, bool]]) -> None:
@@ -60,10 +77,41 @@ class DaemonLink:
         def run() -> None:
             while not self._stop.wait(HEARTBEAT_INTERVAL):
                 steps, busy = progress()
-                if not self.report("beat", steps=steps, busy=busy):
-                    return
+                if self.report("beat", steps=steps, busy=busy):
+                    continue
+                if self.slot is None or self.rejoin_path is None:
+                    return  # a spare: it exits on the EOF wait_for_slot reads
+                log.warning("the daemon is gone; serving on, and waiting for a new one on %s", self.rejoin_path)
+                while not self._stop.is_set() and not self._rejoin():
+                    self._stop.wait(REJOIN_INTERVAL)
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
+
+    def _rejoin(self) -> bool:
+        """One try to be taken over by a new daemon: True once settled (adopted, or told to
+        retire), False to try again later."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(5.0)
+            sock.connect(str(self.rejoin_path))
+            sock.send(json.dumps({"event": "adopt", "pid": os.getpid(), "slot": self.slot, **self.claim}).encode())
+            reply = json.loads(sock.recv(1 << 16) or b"{}")
+        except (OSError, ValueError):
+            sock.close()
+            return False
+        if reply.get("adopted"):
+            sock.settimeout(None)
+            with self._send_lock:
+                self.sock.close()
+                self.sock = sock
+            log.info("taken over by the daemon on %s", self.rejoin_path)
+            return True
+        sock.close()
+        if "retire" in reply:
+            log.warning("the new daemon retires this worker: %s", reply["retire"])
+            self.on_retire(str(reply["retire"]))
+            return True
+        return False
 
     def close(self) -> None:
         self._stop.set()

@@ -80,7 +80,10 @@ class LLM:
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.block_size, config.kv_cache_dtype,
                                            self.device)
             graphs = self.graphs
-        self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs)
+        # Prefix-cache keys name the weights: an attached worker's fingerprint (one process
+        # never serves two sets of weights otherwise, and each engine has its own cache).
+        fingerprint = self.attached.manifest.fingerprint if self.attached else "in-process"
+        self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint)
         if graphs is not None and not graphs.graphs:
             graphs.capture(self.engine.cache, self.engine.scratch_block)
         self.stop_ids = self.engine.stop_ids

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import replace
@@ -129,6 +130,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     engine.use(llm.engine)
     log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
     if link is not None:
+        link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": llm.engine.config.kv_cache_memory}
         mark_ready(state)
     if sock is None:
         sock = listen(opts.host, opts.port)
@@ -164,7 +166,8 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
         log_format(f"worker-{slot}")
         log.info("serving slot %d (pid %d)", slot, os.getpid())
 
-    link = DaemonLink(link_fd, on_slot)
+    # Taken over by a new daemon, or retired by it (then drain, as on SIGTERM).
+    link = DaemonLink(link_fd, on_slot, opts.state_dir, on_retire=lambda why: os.kill(os.getpid(), signal.SIGTERM))
     try:
         serve(opts, sock, link)
     finally:

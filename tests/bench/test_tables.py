@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from preload.bench import cold, memory, restart, serve
+from preload.bench import cold, memory, prefix, readopt, restart, serve
 from preload.bench.results import quantiles, row
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -176,3 +176,26 @@ def test_serve_figures_and_table():
     assert serve.parse_range("64:256") == (64, 256) and serve.parse_range("8") == (8, 8)
     with pytest.raises(ValueError):
         serve.parse_range("9:8")
+
+
+def test_readopt_table_from_a_recorded_run():
+    result = recorded("readopt")
+    table = readopt.format_table(result)
+    print(table)
+    cold = next(ln for ln in table.splitlines() if ln.startswith("cold start"))
+    assert f"{result['cold']['exit_s']:.3f}" in cold and f"{result['cold']['load_seconds']:.3f}" in cold
+    p50 = next(ln for ln in table.splitlines() if ln.startswith("after SIGKILL, p50"))
+    assert f"{result['readopt_exit_s']['p50']:.3f}" in p50
+    n = len(result["runs"])
+    assert f"re-adopted {n}/{n}" in table and f"{result['requests']['failed']} failed" in table
+
+
+def test_prefix_table_from_a_recorded_run():
+    result = recorded("prefix")
+    table = prefix.format_table(result)
+    print(table)
+    on = next(ln for ln in table.splitlines() if ln.split()[:1] == ["on"])
+    assert f"{result['runs']['on']['repeated_ttft_s']:.3f} s" in on
+    assert f"{100 * result['runs']['on']['chat_hit_rate']:.1f}%" in on
+    off = next(ln for ln in table.splitlines() if ln.split()[:1] == ["off"])
+    assert off.rstrip().endswith("-")  # nothing is looked up without the cache

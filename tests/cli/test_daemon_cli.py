@@ -65,7 +65,8 @@ def test_start_returns_zero_once_ready(daemon):
     health = daemon.get("/health")
     assert health.status_code == 200
     assert health.json()["status"] == "ready"
-    assert [p.pid for p in daemon_processes(daemon.state_dir)] == [daemon.pid]
+    # The daemon, and the keeper that holds the weights should it crash.
+    assert sorted(p.pid for p in daemon_processes(daemon.state_dir)) == sorted([daemon.pid, daemon.status()["keeper_pid"]])
 
 
 def test_status_reports_what_is_resident(daemon, tiny_checkpoint):
@@ -122,8 +123,8 @@ def test_status_json_command_matches_the_http_status(daemon):
 
 def test_state_dir_is_private_and_sockets_are_owner_only(daemon):
     assert stat.S_IMODE(daemon.state_dir.stat().st_mode) == 0o700
-    assert sockets_in(daemon.state_dir) == ["control.sock", "fds.sock"]
-    for name in ("control.sock", "fds.sock"):
+    assert sockets_in(daemon.state_dir) == ["control.sock", "fds.sock", "keeper.sock"]
+    for name in ("control.sock", "fds.sock", "keeper.sock"):
         st = (daemon.state_dir / name).stat()
         assert stat.S_ISSOCK(st.st_mode), name
         assert stat.S_IMODE(st.st_mode) == 0o600, name
@@ -146,8 +147,8 @@ def test_second_daemon_on_the_same_state_dir_is_refused_naming_the_running_pid(d
     # The running daemon is untouched: still serving, same weights, same sockets, alone.
     assert daemon.get("/health").status_code == 200
     assert daemon.status()["fingerprint"] == before
-    assert sockets_in(daemon.state_dir) == ["control.sock", "fds.sock"]
-    assert [p.pid for p in daemon_processes(daemon.state_dir)] == [daemon.pid]
+    assert sockets_in(daemon.state_dir) == ["control.sock", "fds.sock", "keeper.sock"]
+    assert sorted(p.pid for p in daemon_processes(daemon.state_dir)) == sorted([daemon.pid, daemon.status()["keeper_pid"]])
     assert port_is_free(port)
 
 
@@ -163,7 +164,7 @@ def test_status_and_stop_without_a_daemon(tmp_path):
 def test_sigterm_stops_cleanly_and_removes_sockets(tiny_checkpoint, tmp_path):
     state_dir = tmp_path / "state"
     with running_daemon(state_dir, tiny_checkpoint) as d:
-        assert sockets_in(state_dir) == ["control.sock", "fds.sock"]
+        assert sockets_in(state_dir) == ["control.sock", "fds.sock", "keeper.sock"]
         os.kill(d.pid, signal.SIGTERM)
         assert wait_for(lambda: gone(d.pid), timeout=15), "daemon did not exit on SIGTERM"
         assert sockets_in(state_dir) == []
@@ -322,7 +323,7 @@ def test_status_and_stop_of_a_dead_daemon_find_what_it_left(tiny_checkpoint, tmp
 
     port = free_port()
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
-        [w] = d.status()["workers"]
+        [w], keeper = d.status()["workers"], d.status()["keeper_pid"]
         os.kill(d.pid, signal.SIGKILL)
         assert wait_for(lambda: not psutil.pid_exists(d.pid) or psutil.Process(d.pid).status() == psutil.STATUS_ZOMBIE,
                         timeout=10)
@@ -330,6 +331,8 @@ def test_status_and_stop_of_a_dead_daemon_find_what_it_left(tiny_checkpoint, tmp
         r = preload("status", "--state-dir", str(d.state_dir))
         assert time.monotonic() - t0 < 4 and r.returncode == 1
         assert "no preload daemon runs" in r.stderr and f"pid {w['pid']}: preload worker 0" in r.stderr, r.stderr
+        assert f"pid {keeper}: preload keeper" in r.stderr, r.stderr  # holding the weights for a new daemon
         r = preload("stop", "--state-dir", str(d.state_dir))
         assert str(w["pid"]) in r.stdout and "stopped what it left running" in r.stdout, r.stdout
-        assert not psutil.pid_exists(w["pid"]) or psutil.Process(w["pid"]).status() == psutil.STATUS_ZOMBIE
+        for pid in (w["pid"], keeper):
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

@@ -304,3 +304,15 @@ def test_no_pickle_anywhere_in_the_product():
     ]
     assert (root / "ipc" / "protocol.py").exists(), "searched the wrong tree"
     assert offenders == []
+
+
+def test_the_default_state_dir_is_the_runtime_dir_then_run_for_root_then_per_uid_in_tmp(monkeypatch):
+    from preload.ipc.protocol import default_state_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert str(default_state_dir()) == "/run/user/1000/preload"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr("os.getuid", lambda: 0)
+    assert str(default_state_dir()) == "/run/preload"
+    monkeypatch.setattr("os.getuid", lambda: 1234)
+    assert str(default_state_dir()) == "/tmp/preload-1234"

@@ -137,7 +137,8 @@ def test_fifty_kill_restart_cycles_leak_nothing(tiny_checkpoint, tmp_path):
     cycles, checkpoint_at = 50, 5
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
         daemon = psutil.Process(d.pid)
-        fingerprint = d.status()["fingerprint"]
+        s = d.status()
+        fingerprint = s["fingerprint"]
         baseline = None
         for i in range(1, cycles + 1):
             [w] = workers_of(d)
@@ -150,11 +151,11 @@ def test_fifty_kill_restart_cycles_leak_nothing(tiny_checkpoint, tmp_path):
         assert fds <= baseline[0] + 16, f"daemon fds grew from {baseline[0]} to {fds} over {cycles - checkpoint_at} cycles"
         assert rss <= baseline[1] + 64 * 2**20, f"daemon RSS grew from {baseline[1]} to {rss}"
 
-        # One worker and one zygote, no zombies; only the daemon and the live worker hold the arena.
+        # One worker and one zygote, no zombies; only the daemon, its keeper and the live worker hold the arena.
         assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
         assert zombies(d.pid) == []
         [w] = workers_of(d)
-        assert set(arena_holders(arena_inodes(d.pid))) == {d.pid, w["pid"]}
+        assert set(arena_holders(arena_inodes(d.pid))) == {d.pid, s["keeper_pid"], w["pid"]}
         s = d.status()
         assert s["fingerprint"] == fingerprint and s["state"] == "ready"
         assert len(s["attached_workers"]) <= 1, s["attached_workers"]

@@ -531,6 +531,21 @@ def test_metrics_exposes_the_documented_series(worker, vocab):
     assert all('model_name="' in key and 'worker="' in key for key in m if key.startswith("preload_request_success"))
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_within_its_cache_salt(worker, vocab):
+    prompt = ids(70, 77, vocab)  # four full blocks of 16 before the last token
+    before = total(worker.metrics(), "preload_prefix_cache_hits_total")
+    first = ok(worker.post("/v1/completions", greedy(prompt, 6, cache_salt="a")))
+    other = ok(worker.post("/v1/completions", greedy(prompt, 6, cache_salt="b")))
+    assert total(worker.metrics(), "preload_prefix_cache_hits_total") == before  # another salt shares nothing
+    again = ok(worker.post("/v1/completions", greedy(prompt, 6, cache_salt="a")))
+    m = worker.metrics()
+    assert total(m, "preload_prefix_cache_hits_total") == before + 64
+    assert total(m, "preload_prefix_cache_queries_total") >= 3 * 70
+    assert first["choices"][0]["text"] == other["choices"][0]["text"] == again["choices"][0]["text"]
+    r = worker.post("/v1/completions", greedy(prompt, 2, cache_salt=""))
+    assert r.status_code == 400 and "cache_salt" in r.text
+
+
 def test_health_through_start_up_and_drain(daemon, vocab, tmp_path):
     w = spawn_worker(daemon.state_dir, tmp_path / "lifecycle.log")
     try:

@@ -2,7 +2,8 @@
 to vLLM's name, so dashboards port): requests running and waiting, KV-cache usage, time
 to first token, time per output token, end-to-end latency and its parts (queue, prefill,
 decode), prompt and generation tokens per request, finished requests by reason,
-preemptions. Every series carries `model_name` and `worker` (the slot) labels.
+preemptions, prefix-cache lookups and hits (in tokens), speculative tokens drafted and
+accepted. Every series carries `model_name` and `worker` (the slot) labels.
 
 Under a daemon every worker writes its series to files in one directory (prometheus-
 client's multiprocess mode: the daemon sets PROMETHEUS_MULTIPROC_DIR under its state dir),
@@ -54,6 +55,11 @@ class WorkerMetrics:
         self.prompt_tokens = counter("preload_prompt_tokens", "Prompt tokens received")
         self.generation_tokens = counter("preload_generation_tokens", "Tokens generated")
         self.preemptions = counter("preload_num_preemptions", "Sequences preempted (their KV blocks taken back)")
+        self.prefix_queries = counter("preload_prefix_cache_queries", "Tokens of admitted requests looked up in the"
+                                      " prefix cache")
+        self.prefix_hits = counter("preload_prefix_cache_hits", "Tokens found in the prefix cache")
+        self.spec_drafts = counter("preload_spec_decode_num_draft_tokens", "Tokens drafted for speculative decoding")
+        self.spec_accepted = counter("preload_spec_decode_num_accepted_tokens", "Draft tokens the model accepted")
         self.ttft = histogram("preload_time_to_first_token_seconds", "Arrival to first token", LATENCY)
         self.tpot = histogram("preload_time_per_output_token_seconds", "Time between a request's tokens", LATENCY)
         self.e2e = histogram("preload_e2e_request_latency_seconds", "Arrival to the last token", LATENCY)
@@ -68,7 +74,7 @@ class WorkerMetrics:
         self.kv_usage = gauge("preload_kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1)")
         self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
-        self._preempted = 0
+        self._counted: dict[str, int] = {}  # the engine's running totals as last counted
         self._created_for: str | None = None  # the worker label whose series exist already
         engine.on_step = self.update_gauges
 
@@ -84,8 +90,13 @@ class WorkerMetrics:
         self.label(self.kv_usage).set(s.kv_blocks_used / max(s.kv_blocks_total, 1))
         self.label(self.kv_used).set(s.kv_blocks_used)
         self.label(self.kv_total).set(s.kv_blocks_total)
-        new, self._preempted = s.preemptions - self._preempted, s.preemptions
-        self.label(self.preemptions).inc(max(new, 0))
+        for key, metric, total in (("preemptions", self.preemptions, s.preemptions),
+                                   ("prefix_queries", self.prefix_queries, s.prefix_queried_tokens),
+                                   ("prefix_hits", self.prefix_hits, s.prefix_hit_tokens),
+                                   ("spec_drafts", self.spec_drafts, s.spec_draft_tokens),
+                                   ("spec_accepted", self.spec_accepted, s.spec_accepted_tokens)):
+            new, self._counted[key] = total - self._counted.get(key, 0), total
+            self.label(metric).inc(max(new, 0))
         if self._created_for != self.worker:  # once per label: every series exists from the start, at zero, as vLLM's do
             self._created_for = self.worker
             for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,

@@ -58,6 +58,7 @@ class Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's extension: prefix-cache blocks shared only within one salt
     stream_options: dict[Literal["include_usage", "continuous_usage_stats"], bool] | None = None
     response_format: dict | None = None
     # vLLM's structured-output extension: {"json": schema} | {"regex": pattern} | {"choice": [strings]}
@@ -110,6 +111,7 @@ class Request(BaseModel):
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             min_tokens=self.min_tokens,
             grammar=self._grammar,
+            cache_salt=self.cache_salt,
         )
 
 

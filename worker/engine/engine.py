@@ -19,11 +19,13 @@ from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
+from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
-from preload.worker.engine.sequence import Sequence
+from preload.worker.engine.sequence import CacheSource, Sequence
+from preload.worker.engine.speculative import Drafter, SpecConfig, accept
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
 
@@ -35,33 +37,45 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     preemptions: int  # so far
+    prefix_queried_tokens: int  # so far: tokens looked up in the prefix cache, and found there
+    prefix_hit_tokens: int
+    spec_draft_tokens: int  # so far: tokens the drafter proposed, and those the target accepted
+    spec_accepted_tokens: int
     max_model_len: int  # prompt + max_tokens of one sequence at most
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, fingerprint: str = ""):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
         the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
         `graphs` (captured or to be captured against this engine's cache), decode steps
-        that fit them are replayed."""
+        that fit them are replayed. `fingerprint`: the weights', part of every prefix-cache key."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
         if config.kv_cache_memory is None:
             raise ValueError("kv_cache_memory is None (auto): resolve it to a number of bytes first")
-        per_block = config.block_size * bytes_per_token(cfg, cfg.num_layers, dtype, config.kv_cache_dtype)
+        spec = SpecConfig.parse(config.speculative_config)
+        if spec and model.mtp is None:
+            raise ValueError("--speculative-config method 'mtp': this checkpoint has no MTP layer")
+        layers = model.num_cache_layers if spec else cfg.num_layers  # the drafter's latents: one layer more
+        per_block = config.block_size * bytes_per_token(cfg, layers, dtype, config.kv_cache_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv cache budget of {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.fingerprint = fingerprint
         # One block more than the manager hands out: the scratch block that a graph's padding rows use.
         self.scratch_block = num_blocks
         self.graphs = graphs
-        self.cache = LatentCache(cfg.num_layers, (num_blocks + 1) * config.block_size, cfg, dtype, device,
+        self.cache = LatentCache(layers, (num_blocks + 1) * config.block_size, cfg, dtype, device,
                                  config.kv_cache_dtype, ptrs=graphs.cache_ptrs if graphs else None)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_num_active_seqs, config.long_prefill_token_threshold)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
+        self.drafter = Drafter(model, self.cache, self.blocks, spec, device) if spec else None
+        self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
         self.special_ids = tokenizer.special_ids
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
 
@@ -95,6 +109,7 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence that passed `check`."""
         seq.detokenizer = Detokenizer(self.tokenizer, self.special_ids)
+        seq.cache_source = CacheSource(self.fingerprint, seq.params.cache_salt)
         if seq.params.seed is not None and not seq.params.greedy:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
         if seq.params.grammar is not None:
@@ -111,7 +126,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """Safe to call from another thread: each number is read once, none is changed."""
         s, b = self.scheduler, self.blocks
-        return EngineStats(len(s.waiting), len(s.running), b.used, b.num_blocks, s.preemptions, self.max_model_len)
+        d = self.drafter
+        return EngineStats(len(s.waiting), len(s.running), b.used, b.num_blocks, s.preemptions, b.queried_tokens,
+                           b.hit_tokens, d.drafted if d else 0, d.accepted if d else 0, self.max_model_len)
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
@@ -126,14 +143,14 @@ class Engine:
         row, rows, wanted = 0, [], []
         for seq, start, n in spans:
             first = len(rows)
-            scoring = seq.wants_prompt_logprobs
-            span_rows = range(row, row + n) if scoring else range(row + n - 1, row + n)
+            every = seq.wants_prompt_logprobs or bool(seq.drafts)  # scoring a prompt, or verifying drafts
+            span_rows = range(row, row + n) if every else range(row + n - 1, row + n)
             rows.extend(span_rows)
-            wanted.append((first, scoring))
+            wanted.append((first, every))
             row += n
         # Log-probs stay on the device: only sampled ids, and the log-probs a request asked
-        # for, come to the host.
-        if self.graphs is not None and self.graphs.fits(spans):
+        # for, come to the host. (Drafting reads the hidden states, which a graph does not keep.)
+        if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
             logprobs = self.graphs.replay(spans, self.scratch_block)  # one row per sequence: rows are 0..B-1
         else:
             tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
@@ -141,9 +158,13 @@ class Engine:
             hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
             logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1)
 
-        outputs, advancing = [], []  # advancing: (sequence, its row) of those that sample a token
-        for (seq, start, n), (first, scoring) in zip(spans, wanted):
+        outputs, advancing, verifying = [], [], []  # advancing: (sequence, its row) of those that sample a token
+        for (seq, start, n), (first, scoring) in zip(spans, wanted):  # (every row, past drafts: a prompt scored)
+            if seq.drafts:  # how much of it counts is known once the drafts are judged
+                verifying.append((seq, start, logprobs[first : first + n]))
+                continue
             seq.computed += n
+            self.blocks.cache_full_blocks(seq)
             try:
                 if scoring:
                     with stage("prompt logprobs"):
@@ -161,7 +182,30 @@ class Engine:
             except SequenceFault as fault:
                 self.scheduler.finish(seq, "error")
                 outputs.append(Output(seq.id, error=str(fault)))
+        outputs += [self._verify(*v) for v in verifying]
+        if self.drafter is not None:
+            self.drafter.draft(spans, hidden)
         return outputs
+
+    def _verify(self, seq: Sequence, start: int, rows: torch.Tensor) -> Output:
+        """Keep what the target agrees with of `seq`'s drafts (speculative.accept) and the
+        token after them; the pending token and the kept drafts are computed now."""
+        outs = []
+        try:
+            with stage("speculative decoding"):
+                tokens = accept(rows, seq)
+            seq.keep_drafts(0)
+            seq.computed = start + len(tokens)
+            self.blocks.cache_full_blocks(seq)
+            self.drafter.accepted += len(tokens) - 1
+            for token in tokens:
+                outs.append(self._advance(seq, token, None, None))
+                if seq.finished:
+                    break
+        except SequenceFault as fault:
+            self.scheduler.finish(seq, "error")
+            outs.append(Output(seq.id, error=str(fault)))
+        return Output.merge(outs)
 
     def _sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:
         """For each (sequence, row): (token, its log-prob, its top log-probs) as the request
@@ -171,11 +215,12 @@ class Engine:
             return []
         seqs = [seq for seq, _ in advancing]
         rows = logprobs[torch.tensor([row for _, row in advancing], device=self.device)]
-        # Sampled from the rows as the requests steer them; the log-probs reported are the model's.
+        # Sampled from the rows as the operator's processors and the requests steer them; the
+        # log-probs reported are the model's.
         try:
             with stage("sampling"):
-                steered = steer(rows, [s.params for s in seqs], [s.prompt for s in seqs], [s.output for s in seqs],
-                                self.stop_ids, [s.matcher for s in seqs])
+                steered = steer(self._processed(rows, seqs), [s.params for s in seqs], [s.prompt for s in seqs],
+                                [s.output for s in seqs], self.stop_ids, [s.matcher for s in seqs])
                 tokens = sample_batch(steered, [s.params for s in seqs], [s.generator for s in seqs], [s.output for s in seqs])
                 return self._picked(seqs, rows, tokens)
         except SequenceFault:
@@ -184,12 +229,20 @@ class Engine:
         for seq, row in zip(seqs, rows):
             try:
                 with stage("sampling"):
-                    steered = steer(row[None], [seq.params], [seq.prompt], [seq.output], self.stop_ids, [seq.matcher])[0]
+                    steered = steer(self._processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
+                                    self.stop_ids, [seq.matcher])[0]
                     token = sample(steered, seq.params, seq.generator, seq.output)
                     drawn += self._picked([seq], row[None], torch.tensor([token], device=self.device))
             except SequenceFault as fault:
                 drawn.append(fault)
         return drawn
+
+    def _processed(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The rows after the operator's logits processors (on a copy: `rows` are reported)."""
+        if not self.processors:
+            return rows
+        with stage("logits processors"):
+            return apply_processors(self.processors, rows.clone(), Batch([s.prompt for s in seqs], [s.output for s in seqs]))
 
     @staticmethod
     def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:

@@ -35,10 +35,11 @@ class SequenceFault(Exception):
 
 @contextmanager
 def stage(name: str) -> Iterator[None]:
-    """Run one stage of a sequence's own work: its exceptions become SequenceFault(name)."""
+    """Run one stage of a sequence's own work: its exceptions become SequenceFault(name)
+    (the innermost stage's name, when stages nest)."""
     try:
         yield
-    except ENGINE_FAULTS:
+    except (SequenceFault, *ENGINE_FAULTS):
         raise
     except Exception as e:  # noqa: BLE001 - anything else is this sequence's alone (see above)
         raise SequenceFault(name, e) from e

@@ -41,6 +41,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are banned until this many are out
     grammar: str | None = None  # structured output: an llguidance grammar the output must follow (grammar.py)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests of one salt
 
     def __post_init__(self):
         # Each test says what is allowed, so NaN (which fails every comparison) is refused too.
@@ -56,6 +57,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
             ("logit_bias", all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "values must be in [-100, 100]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("cache_salt", self.cache_salt is None or 0 < len(self.cache_salt) <= 1024, "must be 1 to 1024 characters"),
         ]
         for param, ok, rule in ranges:
             if not ok:

@@ -16,6 +16,16 @@ from preload.worker.engine.stop_strings import StopStrings
 _ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class CacheSource:
+    """Where a sequence's cached latents come from; only blocks of one source are shared
+    (block_manager.py), and the fields are kept apart in the key."""
+
+    fingerprint: str  # the weights
+    cache_salt: str | None = None  # the request's (an OpenAI-API extension, as vLLM's)
+    adapter: str | None = None  # a LoRA adapter's name, once there are any
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,11 +50,16 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     blocks: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
+    cache_source: CacheSource = CacheSource("")  # given by the engine (engine.add)
     computed: int = 0
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after the pending one (speculative.py)
+    draft_probs: list = field(default_factory=list)  # the drafter's distribution for each (sampled requests)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when it first entered the running batch (time.monotonic)
+    last_step: int = 0  # the scheduler's count of the last step that computed it (turns, when capped)
     generator: torch.Generator | None = None  # a seeded request's own, on the engine's device (engine.add)
     detokenizer: Detokenizer | None = None  # given by the engine, which holds the tokenizer
     matcher: object | None = None  # structured output: its grammar's llguidance matcher (engine.add)
@@ -57,8 +72,13 @@ class Sequence:
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without building the whole list."""
-        p = len(self.prompt)
-        return self.prompt[start:end] + self.output[max(start - p, 0) : max(end - p, 0)]
+        p, n = len(self.prompt), len(self)
+        out = self.prompt[start:end] + self.output[max(start - p, 0) : max(end - p, 0)]
+        # (past the end: the drafts a speculative step feeds after the pending token)
+        return out + self.drafts[max(start - n, 0) : max(end - n, 0)] if end > n else out
+
+    def keep_drafts(self, n: int) -> None:
+        del self.drafts[n:], self.draft_probs[n:]
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -204,9 +204,15 @@ class Transformer:
         self, hidden: torch.Tensor, next_tokens: torch.Tensor, meta: AttentionMeta, cache: LatentCache
     ) -> torch.Tensor:
         """MTP logits [T, V]: hidden [T, D] from `forward` at positions i, next_tokens [T] the tokens at i+1."""
+        return self.mtp_step(hidden, next_tokens, meta, cache)[1]
+
+    def mtp_step(self, hidden: torch.Tensor, next_tokens: torch.Tensor, meta: AttentionMeta,
+                 cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MTP block's output [T, D], its logits [T, V]); the output may stand in for
+        `hidden` at the next position, to draft a further token (speculative.py)."""
         m = self.mtp
         assert m is not None, "this checkpoint has no MTP layer"
         e = rms_norm(self.embed[next_tokens], m.enorm, m.eps)
         h = rms_norm(hidden, m.hnorm, m.eps)
         x = m.block(F.linear(torch.cat([e, h], dim=-1), m.eh_proj), self.rope, meta, cache)
-        return self.logits(rms_norm(x, m.norm, m.eps))
+        return x, self.logits(rms_norm(x, m.norm, m.eps))

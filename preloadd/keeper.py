@@ -1,0 +1,258 @@
+"""The keeper: a small process, without CUDA or torch, that holds the weights' arena fds
+and the API listening socket so that they outlive the daemon.
+
+The daemon starts one after a load and hands it the arena's fds, the manifest and the
+API socket (over a socketpair, SCM_RIGHTS). While the daemon lives, that connection is
+the keeper's owner; a clean stop sends {"op": "exit"} and the keeper exits, letting go
+of the weights. If the daemon dies instead, the connection just closes: the keeper keeps
+holding, and listens on <state dir>/keeper.sock (0600, our uid only) for the next daemon
+of that state dir, which takes everything back ({"op": "take"}) without reading the
+checkpoint, and becomes its owner. The API socket is never closed meanwhile, so
+clients queue in its backlog (or are served by the workers the dead daemon left).
+
+The kept memory is what the fds keep: a sealed memfd, or a cuda-vmm allocation (its
+exported fd keeps it alive). cuda-ipc handles die with their process: nothing to keep.
+
+    python -m preload.preloadd.keeper STATE_DIR FD
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import selectors
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from preload.ipc.protocol import ProtocolError, peer_credentials, recv_with_fds, send_with_fds
+
+log = logging.getLogger("preload.keeper")
+
+KEEPER_SOCK = "keeper.sock"
+HANDOVER_TIMEOUT = 10.0  # seconds for either side of a handover to answer
+
+
+@dataclass
+class Kept:
+    """What a keeper holds: the manifest (wire form), the arena's fds, the API socket."""
+
+    manifest: dict
+    arena_fds: list[int]
+    api: socket.socket | None
+
+    def close(self) -> None:
+        for fd in self.arena_fds:
+            os.close(fd)
+        self.arena_fds = []
+        if self.api is not None:
+            self.api.close()
+            self.api = None
+
+
+def _send(sock: socket.socket, kept: Kept, **msg) -> None:
+    fds = kept.arena_fds + ([kept.api.fileno()] if kept.api is not None else [])
+    send_with_fds(sock, {**msg, "manifest": kept.manifest, "arena_fds": len(kept.arena_fds), "api": kept.api is not None},
+                  fds)
+
+
+def _receive(sock: socket.socket) -> Kept:
+    msg, fds = recv_with_fds(sock)
+    n = msg.get("arena_fds")
+    if not isinstance(n, int) or not isinstance(msg.get("manifest"), dict) or len(fds) != n + bool(msg.get("api")):
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"malformed handover: {msg.get('error') or sorted(msg)}")
+    return Kept(msg["manifest"], fds[:n], socket.socket(fileno=fds[n]) if msg["api"] else None)
+
+
+# ---- the daemon's side ---------------------------------------------------------------------------
+
+
+class KeeperLink:
+    """The daemon's connection to its keeper: the keeper holds on as long as this is open
+    and exits when told to (`release`)."""
+
+    def __init__(self, sock: socket.socket, pid: int, handover: threading.Thread | None = None):
+        self.sock, self.pid, self._handover = sock, pid, handover
+        self._pidfd = os.pidfd_open(pid)  # (a keeper taken over is not our child: its pidfd says when it is gone)
+
+    @classmethod
+    def spawn(cls, state_dir: Path, kept: Kept) -> KeeperLink:
+        """Start a keeper for `kept` (the caller keeps its own fds). The handover runs in a
+        thread: the daemon does not wait for the keeper's interpreter to start."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        import subprocess
+
+        with open(Path(state_dir) / "keeper.log", "ab", buffering=0) as out:
+            os.fchmod(out.fileno(), 0o600)
+            proc = subprocess.Popen([sys.executable, "-m", "preload.preloadd.keeper", str(state_dir), str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)  # not in the daemon's process group: a ^C is the daemon's
+        theirs.close()
+
+        def handover() -> None:
+            try:
+                ours.settimeout(HANDOVER_TIMEOUT)
+                _send(ours, kept, op="keep")
+                ours.recv(1)  # its listening socket is bound
+                ours.settimeout(None)
+            except OSError as e:
+                log.error("the keeper (pid %d) did not take the weights: %s; a crash of this daemon loses them", proc.pid, e)
+
+        thread = threading.Thread(target=handover, name="keeper-handover", daemon=True)
+        thread.start()
+        return cls(ours, proc.pid, thread)
+
+    def wait_kept(self) -> None:
+        """Until the keeper holds what it was given (a daemon is crash-safe from then on)."""
+        if self._handover is not None:
+            self._handover.join(HANDOVER_TIMEOUT)
+
+    def release(self) -> None:
+        """Tell the keeper to let go and exit (a clean stop)."""
+        self.wait_kept()
+        try:
+            send_with_fds(self.sock, {"op": "exit"}, [])
+        except OSError:
+            pass  # gone already
+        self.sock.close()
+        # Gone before we are: a stop leaves no keeper and no keeper.sock behind.
+        if not select.select([self._pidfd], [], [], HANDOVER_TIMEOUT)[0]:
+            log.error("the keeper (pid %d) did not exit; killing it", self.pid)
+            os.kill(self.pid, signal.SIGKILL)
+        os.close(self._pidfd)
+        try:
+            os.waitpid(self.pid, os.WNOHANG)  # our child (spawned), else not ours to reap
+        except ChildProcessError:
+            pass
+
+
+def take(state_dir: Path) -> tuple[KeeperLink, Kept] | None:
+    """What a keeper of `state_dir` holds, if one lives; we become its owner. None if
+    there is none (a stale socket is removed)."""
+    path = Path(state_dir) / KEEPER_SOCK
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANDOVER_TIMEOUT)
+    try:
+        sock.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        path.unlink(missing_ok=True)  # a keeper that died (we hold the state dir's lock: no one else binds it)
+        return None
+    try:
+        pid, uid, _ = peer_credentials(sock)
+        if uid != os.getuid():
+            raise ProtocolError(f"{path} is served by uid {uid}, not ours")
+        send_with_fds(sock, {"op": "take"}, [])
+        kept = _receive(sock)
+    except (OSError, ProtocolError):
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return KeeperLink(sock, pid), kept
+
+
+# ---- the keeper process --------------------------------------------------------------------------
+
+
+def _bind(path: Path) -> tuple[socket.socket, int]:
+    path.unlink(missing_ok=True)
+    old = os.umask(0o177)  # born 0600: no moment in which another user could connect
+    try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+    finally:
+        os.umask(old)
+    listener.listen(4)
+    return listener, os.stat(path).st_ino
+
+
+def _serve(state_dir: Path, owner: socket.socket | None, kept: Kept) -> None:
+    path = state_dir / KEEPER_SOCK
+    listener, inode = _bind(path)
+    if owner is not None:
+        owner.send(b"k")
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    if owner is not None:
+        sel.register(owner, selectors.EVENT_READ)
+    try:
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    if _hand_over(conn, owner, kept):
+                        owner = conn
+                        sel.register(owner, selectors.EVENT_READ)
+                    continue
+                try:
+                    msg, fds = recv_with_fds(owner)
+                except (OSError, ProtocolError):  # EOF: the daemon died; hold on for the next one
+                    log.warning("the daemon is gone; holding the weights for the next one on %s", state_dir)
+                    sel.unregister(owner)
+                    owner.close()
+                    owner = None
+                    continue
+                for fd in fds:
+                    os.close(fd)
+                if msg.get("op") == "exit":
+                    log.info("released by the daemon; exiting")
+                    return
+    finally:
+        # A successor keeper may have bound the path since: remove only our own socket.
+        try:
+            if os.stat(path).st_ino == inode:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _hand_over(conn: socket.socket, owner: socket.socket | None, kept: Kept) -> bool:
+    """Serve one `take`: True if `conn` is now the owner."""
+    conn.settimeout(HANDOVER_TIMEOUT)
+    try:
+        pid, uid, _ = peer_credentials(conn)
+        if uid != os.getuid():
+            log.warning("refused pid %d of uid %d", pid, uid)
+        elif owner is not None:
+            send_with_fds(conn, {"error": "held by a live daemon"}, [])
+        elif recv_with_fds(conn)[0].get("op") == "take":
+            _send(conn, kept)
+            conn.settimeout(None)
+            log.info("handed the weights to pid %d", pid)
+            return True
+    except (OSError, ProtocolError) as e:
+        log.warning("handover failed: %s", e)
+    conn.close()
+    return False
+
+
+def main(argv: list[str]) -> int:
+    state_dir, fd = Path(argv[0]), int(argv[1])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper %(levelname)s %(message)s")
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"preload keeper --state-dir {state_dir}")  # how `preload status` and `stop` find it
+    except ImportError:
+        pass
+    owner = socket.socket(fileno=fd)
+    owner.settimeout(HANDOVER_TIMEOUT)
+    try:
+        kept = _receive(owner)
+    except (OSError, ProtocolError) as e:
+        log.error("no weights handed over: %s", e)
+        return 1
+    owner.settimeout(None)
+    log.info("holding %d arena fds%s for %s", len(kept.arena_fds), " and the API socket" if kept.api else "", state_dir)
+    _serve(state_dir, owner, kept)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

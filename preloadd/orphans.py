@@ -1,0 +1,124 @@
+"""Workers a dead daemon left serving, taken over by the next daemon of the state dir.
+
+A supervised worker whose daemon dies keeps serving on the shared API socket and tries,
+every few tenths of a second, <state dir>/workers.sock (worker/link.py). A new daemon
+listens there. A worker of our uid that claims a slot of this daemon, with the
+fingerprint of the weights this daemon holds, while that slot is free, is supervised
+again as that slot's worker: its KV cache and its requests carry on. Any other is told
+to retire: it drains and exits, and its slot gets a fresh worker.
+
+While a live orphan has not called yet (it tries again within REJOIN_INTERVAL), the new
+daemon leaves its slot empty, for at most ADOPT_WAIT seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from preload.ipc.protocol import peer_credentials, workers_socket_path
+
+ADOPT_WAIT = 5.0  # seconds a slot whose orphan lives waits for it to call
+CLAIM_TIMEOUT = 1.0  # seconds a connected orphan has to say who it is
+
+
+def left_running(state_dir: Path) -> list[psutil.Process]:
+    """Processes of our uid that a daemon of `state_dir` started (workers, spares, its
+    zygote, its keeper), found by their titles: `preload <role> --state-dir <dir>`."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        cmd = " ".join(p.info["cmdline"] or []) + " "
+        if (p.pid != os.getpid() and p.info["uids"] and p.info["uids"].real == os.getuid()
+                and cmd.startswith("preload ") and f"--state-dir {state_dir} " in cmd):
+            found.append(p)
+    return found
+
+
+def orphan_slots(state_dir: Path) -> dict[int, int]:
+    """{slot: pid} of the serving workers a dead daemon of `state_dir` left."""
+    slots = {}
+    for p in left_running(state_dir):
+        m = re.match(r"preload worker (\d+) ", " ".join(p.info["cmdline"] or []))
+        if m:
+            slots[int(m.group(1))] = p.pid
+    return slots
+
+
+class OrphanListener:
+    """The socket orphans call (SOCK_SEQPACKET, 0600 in the state dir)."""
+
+    def __init__(self, state_dir: Path):
+        self.path = workers_socket_path(state_dir)
+        self.path.unlink(missing_ok=True)  # a dead daemon's; we hold the state dir's lock
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            self.sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        self.sock.listen(16)
+        self.sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> tuple[socket.socket, dict] | None:
+        """A connected orphan of our uid and what it claims (its pid checked against the
+        kernel's word); None for anything else, which is closed."""
+        try:
+            conn, _ = self.sock.accept()
+        except BlockingIOError:
+            return None
+        try:
+            pid, uid, _ = peer_credentials(conn)
+            conn.settimeout(CLAIM_TIMEOUT)
+            claim = json.loads(conn.recv(1 << 16))
+            if uid == os.getuid() and isinstance(claim, dict) and claim.get("event") == "adopt" and claim.get("pid") == pid:
+                return conn, claim
+        except (OSError, ValueError):
+            pass
+        conn.close()
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass
+class Adoption:
+    """A new daemon's take-over of the orphans: where they call, the weights they must
+    serve, and those still expected."""
+
+    listener: OrphanListener
+    fingerprint: str
+    expected: dict[int, int]  # slot -> pid of a live orphan that has not called yet
+    until: float = field(default_factory=lambda: time.monotonic() + ADOPT_WAIT)
+
+    def waiting_for(self, slot: int) -> bool:
+        """Whether `slot` should stay empty a while: its orphan lives and may still call."""
+        pid = self.expected.get(slot)
+        if pid is not None and (time.monotonic() > self.until or not psutil.pid_exists(pid)):
+            del self.expected[slot]
+            pid = None
+        return pid is not None
+
+    def verdict(self, claim: dict, slots: int, vacant: Callable[[int], bool]) -> str | None:
+        """None: take the orphan on as its slot's worker; else why it must retire."""
+        self.expected = {s: p for s, p in self.expected.items() if p != claim.get("pid")}
+        slot = claim.get("slot")
+        if claim.get("fingerprint") != self.fingerprint:
+            return "it serves other weights than this daemon holds"
+        if not isinstance(slot, int) or not 0 <= slot < slots:
+            return f"slot {slot!r} is not one of this daemon's {slots}"
+        if not vacant(slot):
+            return f"slot {slot} has a worker already"
+        return None

@@ -1,0 +1,131 @@
+"""Nothing is lost when the daemon dies: a keeper process holds the weights' arena and
+the API socket, the workers serve on, and a new `preload start` on the same state dir
+takes all of it back: the same arena (one copy, never re-read: the checkpoint is made
+unreadable first), the same port (never closed: no request fails), the same workers
+(supervised again). A start with other settings lets the kept weights go and retires the
+orphans instead. A clean stop leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import threading
+
+import httpx
+import psutil
+from daemons import arena_inodes, daemon_processes, free_port, running_daemon, sockets_in, wait_for
+from supervised import PROMPT, api, logs, ready_workers, start_args
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Load:
+    """Clients sending completions to the API port without a pause, counting failures."""
+
+    def __init__(self, port: int, clients: int = 4):
+        self.port, self.ok, self.failed = port, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=api(self.port), timeout=60) as client:
+            while not self._stop.is_set():
+                try:
+                    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failed.append(f"{r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as e:
+                    self.failed.append(repr(e))
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def kill_daemon(d) -> None:
+    os.kill(d.pid, signal.SIGKILL)
+    assert wait_for(lambda: dead(d.pid), timeout=10)
+
+
+def test_a_new_daemon_takes_back_the_weights_the_port_and_the_workers(tiny_checkpoint, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    port, state_dir = free_port(), tmp_path / "state"
+    args = start_args(port)
+    with running_daemon(state_dir, model, *args) as first:
+        s = first.status()
+        [worker] = s["workers"]
+        keeper, fingerprint, arena = s["keeper_pid"], s["fingerprint"], arena_inodes(worker["pid"])
+        assert keeper and not s["readopted"] and len(arena) == 1
+        with Load(port) as load:
+            wait_for(lambda: load.ok >= 5, timeout=30)
+            kill_daemon(first)
+            served = load.ok
+            assert wait_for(lambda: load.ok >= served + 10, timeout=30), "the orphaned worker stopped serving"
+            for f in model.glob("*.safetensors"):  # a load now would fail: what follows reads none of it
+                f.chmod(0)
+            try:
+                with running_daemon(state_dir, model, *args) as second:
+                    s = second.status()
+                    assert s["readopted"] and s["fingerprint"] == fingerprint
+                    assert s["keeper_pid"] == keeper  # the same keeper holds on, for the next crash
+                    assert s["load_seconds"] < 1.0
+                    ws = wait_for(lambda: ready_workers(second), timeout=30)
+                    assert [w["pid"] for w in ws] == [worker["pid"]], f"{ws}\n{logs(state_dir)}"  # adopted, not replaced
+                    assert arena_inodes(worker["pid"]) == arena  # one copy of the weights throughout
+                    served = load.ok
+                    assert wait_for(lambda: load.ok >= served + 10, timeout=30)
+                    assert "supervised again" in (state_dir / "daemon.log").read_text()
+                    load.stop()  # (before the stop closes the port)
+            finally:
+                for f in model.glob("*.safetensors"):
+                    f.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        assert load.failed == [], load.failed[:5]  # the port never closed, no request was dropped
+    assert daemon_processes(state_dir) == [], [p.info for p in daemon_processes(state_dir)]
+    assert sockets_in(state_dir) == []
+    assert dead(keeper) and dead(worker["pid"])
+
+
+def test_a_daemon_with_other_settings_lets_the_kept_weights_go_and_retires_the_orphans(tiny_checkpoint, tmp_path):
+    port, state_dir = free_port(), tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as first:
+        s = first.status()
+        [worker], keeper = s["workers"], s["keeper_pid"]
+        kill_daemon(first)
+        with running_daemon(state_dir, tiny_checkpoint, *start_args(port), quant="fp8_block") as second:
+            s = second.status()
+            assert not s["readopted"] and s["keeper_pid"] not in (None, keeper)
+            assert dead(keeper)  # released before the new load: never two copies held for nobody
+            assert wait_for(lambda: dead(worker["pid"]), timeout=30), "the orphan serving other weights did not retire"
+            ws = wait_for(lambda: ready_workers(second), timeout=60)
+            assert ws and ws[0]["pid"] != worker["pid"]
+            r = httpx.post(api(port) + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert "retires: it serves other weights" in (state_dir / "daemon.log").read_text()
+    assert daemon_processes(state_dir) == []
+
+
+def test_without_a_keeper_the_weights_go_with_the_daemon(tiny_checkpoint, tmp_path):
+    state_dir = tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, "--no-keeper") as d:
+        assert d.status()["keeper_pid"] is None
+        assert [p.pid for p in daemon_processes(state_dir)] == [d.pid]
+        assert sockets_in(state_dir) == ["control.sock", "fds.sock"]

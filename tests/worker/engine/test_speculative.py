@@ -1,0 +1,121 @@
+"""Speculative decoding with the checkpoint's MTP layer: greedy outputs are exactly those
+of decoding one token a step, with and without prefix-cache hits, whatever the number of
+drafts; sampled outputs keep the target's distribution (checked on the acceptance rule
+itself, many draws); a cache too small for everyone makes the scheduler drop drafts and
+preempt, and every request still finishes with the same answer."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from preload import BUNDLED_MODEL, LLM
+from preload.options import EngineOptions
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
+from preload.worker.engine.speculative import SpecConfig, accept, target_probs
+from preload.worker.model.kv_cache import bytes_per_token
+
+BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False)
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45], list(range(100, 140)), [9] * 20]
+
+
+def mtp(k: int, **kw) -> EngineOptions:
+    return replace(BASE, speculative_config=f'{{"method": "mtp", "num_speculative_tokens": {k}}}', **kw)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(BUNDLED_MODEL, dtype="float32", engine=BASE)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_outputs_equal_decoding_without_drafts(plain, k):
+    want = plain.generate(PROMPTS, max_tokens=40, ignore_eos=True)
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(k))
+    got = llm.generate(PROMPTS, max_tokens=40, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = llm.engine.stats()
+    assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens  # the trained MTP is right often
+    assert s.kv_blocks_used == 0
+
+
+def test_with_prefix_cache_hits_and_stops_mid_draft(plain):
+    """max_tokens and EOS end a sequence inside an accepted run of drafts: nothing past them."""
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(3, enable_prefix_caching=True))
+    system = list(range(200, 264))
+    prompts = [system + [5, 6], system + [7, 8], system + [9]]
+    for max_tokens in (1, 2, 5, 13):
+        got = llm.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
+        want = plain.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert all(len(g.token_ids) == max_tokens for g in got)
+    assert llm.engine.stats().prefix_hit_tokens > 0
+    free = plain.generate(prompts, max_tokens=60)  # stops at EOS, if the model says it
+    assert [g.token_ids for g in llm.generate(prompts, max_tokens=60)] == [w.token_ids for w in free]
+
+
+def test_requests_that_cannot_speculate_run_beside_those_that_do(plain):
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(2))
+    kinds = [dict(logprobs=2), dict(repetition_penalty=1.3), dict()]
+    for kw in kinds:
+        got = llm.generate(PROMPTS, max_tokens=12, ignore_eos=True, **kw)
+        want = plain.generate(PROMPTS, max_tokens=12, ignore_eos=True, **kw)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
+
+
+def test_a_seeded_sampled_request_is_reproducible_with_drafts():
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(2))
+    a = llm.generate(PROMPTS, max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    b = llm.generate(PROMPTS, max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    assert llm.engine.stats().spec_accepted_tokens > 0
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """One draft drawn from q, judged against p: the token that comes out is distributed as
+    p (the acceptance rule of Leviathan et al.), here over 40,000 draws of an 8-token vocab."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5], [0.0] * 8])
+    params = SamplingParams(temperature=1.0, max_tokens=4)
+    p = target_probs(target[0], params)
+    q = torch.tensor([0.05, 0.4, 0.05, 0.2, 0.1, 0.1, 0.05, 0.05])
+    counts = torch.zeros(8)
+    for _ in range(40_000):
+        seq = Sequence([1], params, generator=gen)
+        d = int(torch.multinomial(q, 1, generator=gen))
+        seq.drafts, seq.draft_probs = [d], [q]
+        counts[accept(target, seq)[0]] += 1
+    freq = counts / counts.sum()
+    assert torch.allclose(freq, p, atol=0.01), (freq, p)
+    # (the draft distribution is far from it: accepting every draft would fail this)
+    assert not torch.allclose(q, p, atol=0.05)
+
+
+def test_a_full_cache_with_drafts_preempts_and_finishes(plain):
+    """Eight sequences, three drafts each a step, a cache of 40 blocks of 16: drafts are
+    dropped when there is no room for them, sequences preempted, and all finish alike."""
+    cfg = plain.config
+    layers = cfg.num_layers + 1  # with the drafter's layer
+    per_block = 16 * bytes_per_token(cfg, layers, torch.float32)
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(3, kv_cache_memory=40 * per_block, max_num_seqs=8))
+    assert llm.engine.blocks.num_blocks == 40
+    prompts = [[10 + i] * 60 for i in range(8)]
+    got = llm.generate(prompts, max_tokens=100, ignore_eos=True)
+    want = plain.generate(prompts, max_tokens=100, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    s = llm.engine.stats()
+    assert s.preemptions > 0 and s.kv_blocks_used == 0 and not llm.engine.has_work()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("not json", "not JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'mtp'"),
+    ('{"method": "mtp", "num_speculative_tokens": 0}', "1 to 8"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}', "takes method and"),
+])
+def test_a_bad_speculative_config_is_refused_saying_why(text, says):
+    with pytest.raises(ValueError, match=says):
+        SpecConfig.parse(text)
