@@ -20,6 +20,7 @@ from preload.worker.engine.engine import Engine
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence as Seq
+from preload.worker.engine.speculative import SpecConfig
 from preload.worker.model.deepseek import Transformer, Weights
 
 
@@ -55,6 +56,7 @@ class LLM:
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
         self.attached = None
+        self._draft = None  # (what --speculative-config named, the draft model, its attachment or None)
         if state_dir is not None:
             weights = self._attach(state_dir, model, quant, device, dtype)
         elif model is None:
@@ -75,7 +77,8 @@ class LLM:
         engines of the same cache layout (only their cache's addresses change)."""
         self.engine = None
         graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # (Speculative steps run eagerly: the drafter reads hidden states a graph does not keep.)
+        if self.device.type == "cuda" and not config.enforce_eager and not config.speculative_config:
             if self.graphs is None or not self.graphs.serves(config.block_size, config.kv_cache_dtype):
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.block_size, config.kv_cache_dtype,
                                            self.device)
@@ -83,7 +86,8 @@ class LLM:
         # Prefix-cache keys name the weights: an attached worker's fingerprint (one process
         # never serves two sets of weights otherwise, and each engine has its own cache).
         fingerprint = self.attached.manifest.fingerprint if self.attached else "in-process"
-        self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint)
+        self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint,
+                             self._draft_model(config))
         if graphs is not None and not graphs.graphs:
             graphs.capture(self.engine.cache, self.engine.scratch_block)
         self.stop_ids = self.engine.stop_ids
@@ -115,7 +119,32 @@ class LLM:
         self.tokenizer = Tokenizer(files["tokenizer.json"].decode(), json.loads(files.get("tokenizer_config.json", b"{}")))
         return self.attached
 
+    def _draft_model(self, config: EngineOptions) -> Transformer | None:
+        """The draft model --speculative-config names: loaded here, on the target's device and
+        in its dtype, or attached zero-copy to the daemon of its state_dir; kept for later engines."""
+        spec = SpecConfig.parse(config.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return None
+        key = (spec.model, spec.state_dir)
+        if self._draft is None or self._draft[0] != key:
+            if self._draft is not None and self._draft[2] is not None:
+                self._draft[2].close()
+            attached = None
+            if spec.state_dir:
+                attached = attach(spec.state_dir)
+                if attached.manifest.device != str(self.device):
+                    attached.close()
+                    raise ValueError(f"the draft model's daemon holds it on {attached.manifest.device}, not {self.device}")
+                cfg, weights = ModelConfig.from_dict(attached.config), attached
+            else:
+                cfg = ModelConfig.from_dir(Path(spec.model))
+                weights = load_checkpoint(Path(spec.model), cfg, self.dtype, self.device, "none")
+            self._draft = (key, Transformer(cfg, weights), attached)
+        return self._draft[1]
+
     def close(self) -> None:
+        if self._draft is not None and self._draft[2] is not None:
+            self._draft[2].close()
         if self.attached is not None:
             self.attached.close()
 

@@ -25,7 +25,7 @@ from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import CacheSource, Sequence
-from preload.worker.engine.speculative import Drafter, SpecConfig, accept
+from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
 
@@ -46,21 +46,25 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
-                 graphs: DecodeGraphs | None = None, fingerprint: str = ""):
+                 graphs: DecodeGraphs | None = None, fingerprint: str = "", draft: Transformer | None = None):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
         the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
         `graphs` (captured or to be captured against this engine's cache), decode steps
-        that fit them are replayed. `fingerprint`: the weights', part of every prefix-cache key."""
+        that fit them are replayed. `fingerprint`: the weights', part of every prefix-cache key.
+        `draft`: the draft model of --speculative-config's method draft_model."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
         if config.kv_cache_memory is None:
             raise ValueError("kv_cache_memory is None (auto): resolve it to a number of bytes first")
         spec = SpecConfig.parse(config.speculative_config)
-        if spec and model.mtp is None:
-            raise ValueError("--speculative-config method 'mtp': this checkpoint has no MTP layer")
-        layers = model.num_cache_layers if spec else cfg.num_layers  # the drafter's latents: one layer more
+        check_drafter(spec, model, draft)
+        mtp = spec is not None and spec.method == "mtp"
+        layers = model.num_cache_layers if mtp else cfg.num_layers  # the MTP layer's latents: one layer more
         per_block = config.block_size * bytes_per_token(cfg, layers, dtype, config.kv_cache_dtype)
+        if draft is not None:  # and the draft model's own, in blocks of the same tables
+            per_block += config.block_size * bytes_per_token(draft.cfg, draft.cfg.num_layers, draft.embed.dtype,
+                                                             config.kv_cache_dtype)
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv cache budget of {config.kv_cache_memory} bytes holds no block of {per_block} bytes")
@@ -74,7 +78,13 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_num_active_seqs, config.long_prefill_token_threshold)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
-        self.drafter = Drafter(model, self.cache, self.blocks, spec, device) if spec else None
+        self.drafter = None
+        if mtp:
+            self.drafter = Drafter(spec, self.blocks, device, model, self.cache)
+        elif spec is not None:
+            draft_cache = LatentCache(draft.cfg.num_layers, (num_blocks + 1) * config.block_size, draft.cfg,
+                                      draft.embed.dtype, device, config.kv_cache_dtype)
+            self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache)
         self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
         self.special_ids = tokenizer.special_ids
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)

@@ -1,12 +1,15 @@
-"""Speculative decoding with the checkpoint's MTP layer as the drafter.
+"""Speculative decoding: the checkpoint's MTP layer, or a separate small model, drafts.
 
-`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'` (vLLM's shape).
-After each step the MTP layer catches up on the positions the target just computed: at
-position i it reads the target's hidden state and the token at i+1, writes its own latent
-cache layer (one more layer of the same paged cache) and, at the last position, predicts
-the token after the pending one: the first draft. It then runs on its own output k-1
-more times for the next drafts. The next step feeds the pending token and the k drafts
-through the target at once (one pass, k+1 rows) and keeps:
+`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'` (vLLM's shape), or
+`{"method": "draft_model", "model": DIR | "state_dir": DIR, "num_speculative_tokens": k}`
+for a small model of the same vocabulary, loaded beside the target or attached zero-copy
+from another daemon. After each step the MTP layer catches up on the positions the target
+just computed: at position i it reads the target's hidden state and the token at i+1,
+writes its own latent cache layer (one more layer of the same paged cache) and, at the
+last position, predicts the token after the pending one: the first draft. It then runs on
+its own output k-1 more times for the next drafts. A draft model does the same from the
+tokens, in a cache of its own that the same block tables index. The next step feeds the
+pending token and the k drafts through the target at once (one pass, k+1 rows) and keeps:
 
 - greedy requests: the drafts while they equal the target's argmax, then the target's
   argmax at the first difference (or after the last draft): exactly the tokens decoding
@@ -36,8 +39,13 @@ from preload.worker.model.kv_cache import AttentionMeta
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str
+    """--speculative-config: the MTP layer, or a separate small model (a checkpoint dir
+    loaded beside the target, or attached zero-copy from another daemon's state dir)."""
+
+    method: str  # "mtp" or "draft_model"
     num_speculative_tokens: int
+    model: str | None = None
+    state_dir: str | None = None
 
     @classmethod
     def parse(cls, text: str | None) -> SpecConfig | None:
@@ -48,14 +56,32 @@ class SpecConfig:
             d = json.loads(text)
         except ValueError as e:
             raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(d, dict) or set(d) - {"method", "num_speculative_tokens"}:
-            raise ValueError(f"--speculative-config takes method and num_speculative_tokens, got {text}")
-        k = d.get("num_speculative_tokens")
-        if d.get("method") != "mtp":
-            raise ValueError(f"--speculative-config method {d.get('method')!r}: only 'mtp' (the checkpoint's own layer)")
+        if not isinstance(d, dict) or set(d) - {"method", "num_speculative_tokens", "model", "state_dir"}:
+            raise ValueError(f"--speculative-config takes method, num_speculative_tokens, model, state_dir; got {text}")
+        k, method = d.get("num_speculative_tokens"), d.get("method") or ("draft_model" if "model" in d else None)
+        if method not in ("mtp", "draft_model"):
+            raise ValueError(f"--speculative-config method {method!r}: 'mtp' (the checkpoint's own layer) or 'draft_model'")
         if not isinstance(k, int) or not 1 <= k <= 8:
             raise ValueError(f"num_speculative_tokens must be 1 to 8, got {k!r}")
-        return cls("mtp", k)
+        where = [key for key in ("model", "state_dir") if isinstance(d.get(key), str) and d[key]]
+        if (method == "draft_model") != (len(where) == 1) or set(d) & {"model", "state_dir"} - set(where):
+            raise ValueError("method 'draft_model' takes one of model (a checkpoint dir) or state_dir (a daemon's);"
+                             " 'mtp' takes neither")
+        return cls(method, k, d.get("model"), d.get("state_dir"))
+
+
+def check_drafter(spec: SpecConfig | None, target, draft) -> None:
+    """ValueError unless the target and draft model can carry out `spec`."""
+    if spec is None:
+        return
+    if spec.method == "mtp" and target.mtp is None:
+        raise ValueError("--speculative-config method 'mtp': this checkpoint has no MTP layer")
+    if spec.method == "draft_model":
+        if draft is None:
+            raise ValueError("--speculative-config method 'draft_model': no draft model given")
+        if draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) is not the target's "
+                             f"({target.cfg.vocab_size})")
 
 
 def speculates(seq: Sequence) -> bool:
@@ -110,55 +136,70 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
 
 
 class Drafter:
-    """Runs the MTP layer after each step: it catches up on the positions the target just
-    computed for the speculating sequences and drafts k tokens for those that decode next."""
+    """Runs after each step: the drafter catches up on the positions the target just
+    computed for the speculating sequences, and drafts k tokens for those that decode
+    next. The MTP layer reads the target's hidden states and keeps its latents in one more
+    layer of the target's cache; a draft model reads the tokens and keeps its own cache,
+    indexed by the same block tables."""
 
-    def __init__(self, model, cache, blocks, config: SpecConfig, device: torch.device):
-        self.model, self.cache, self.blocks, self.k, self.device = model, cache, blocks, config.num_speculative_tokens, device
+    def __init__(self, config: SpecConfig, blocks, device: torch.device, model, cache):
+        """`model` and `cache`: the target and its cache (MTP), or the draft model and its own."""
+        self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
+        self.mtp = config.method == "mtp"
         self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
         self.accepted = 0
+
+    def _run(self, hidden: torch.Tensor | None, tokens: list[int], spans: list[tuple[int, int, list[int]]]):
+        """(hidden states to chain on, or None; logits) of the drafter over the spans
+        (start, tokens, blocks) of a flat batch."""
+        meta = AttentionMeta.build(spans, self.blocks.block_size, self.device)
+        ids = torch.tensor(tokens, device=self.device)
+        if self.mtp:
+            return self.model.mtp_step(hidden, ids, meta, self.cache)
+        return None, self.model.logits(self.model.forward(ids, meta, self.cache))
 
     def draft(self, spans: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
         """spans: (sequence, start, tokens fed) of the step just run, whose target hidden
         states are `hidden` [T, D], in order."""
-        catch, offset = [], 0
+        catch, offset = [], 0  # (sequence, start, rows the drafter reads, offset in hidden, decodes next)
         for seq, start, n in spans:
             m = seq.computed - start  # positions start..computed-1 hold the target's latents now
             if m > 0 and not seq.finished and speculates(seq):
-                catch.append((seq, start, m, offset))
+                # The MTP layer at position i reads the token at i+1; a draft model reads position
+                # i's own token, so it also reads the pending one, at `computed`, if it is to draft.
+                decodes = seq.pending == 1 and (self.mtp or self._room(seq, seq.computed))
+                catch.append((seq, start, m + (decodes and not self.mtp), offset, decodes))
             offset += n
         if not catch:
             return
-        h = torch.cat([hidden[off : off + m] for _, _, m, off in catch])
-        nxt = [t for seq, start, m, _ in catch for t in seq.tokens(start + 1, start + m + 1)]
-        meta = AttentionMeta.build([(start, m, seq.blocks) for seq, start, m, _ in catch], self.blocks.block_size,
-                                   self.device)
-        x, logits = self.model.mtp_step(h, torch.tensor(nxt, device=self.device), meta, self.cache)
-        ends = torch.tensor([m for _, _, m, _ in catch], device=self.device).cumsum(0) - 1
-        decoding = [i for i, (seq, *_) in enumerate(catch) if seq.pending == 1]  # sampled this step: decodes next
-        if not decoding:
+        shift = 1 if self.mtp else 0
+        tokens = [t for seq, start, r, _, _ in catch for t in seq.tokens(start + shift, start + shift + r)]
+        h = torch.cat([hidden[off : off + r] for _, _, r, off, _ in catch]) if self.mtp else None
+        x, logits = self._run(h, tokens, [(start, r, seq.blocks) for seq, start, r, _, _ in catch])
+        ends = torch.tensor([r for _, _, r, _, _ in catch], device=self.device).cumsum(0) - 1
+        picks = [i for i, entry in enumerate(catch) if entry[4]]
+        if not picks:
             return
-        seqs = [catch[i][0] for i in decoding]
-        last = ends[torch.tensor(decoding, device=self.device)]
-        x, logits = x[last], logits[last]
+        seqs = [catch[i][0] for i in picks]
+        last = ends[torch.tensor(picks, device=self.device)]
+        x, logits = (x[last] if x is not None else None), logits[last]
         for j in range(self.k):
-            tokens, qs = draft_tokens(logits, seqs)
-            for seq, t, q in zip(seqs, tokens, qs):
+            drafts, qs = draft_tokens(logits, seqs)
+            for seq, t, q in zip(seqs, drafts, qs):
                 seq.drafts.append(t)
                 seq.draft_probs.append(q)
             if j == self.k - 1:
                 break
-            # The next draft: the MTP layer again, at the draft's position, on its own output.
-            room = [i for i, seq in enumerate(seqs) if self._room(seq, seq.computed + j)]
+            # The next draft: the drafter on the last one, at its position (the MTP layer sits
+            # one position behind the token it predicts from, and chains on its own output).
+            at = [seq.computed + j + 1 - shift for seq in seqs]
+            room = [i for i, (seq, pos) in enumerate(zip(seqs, at)) if self._room(seq, pos)]
             if not room:
                 break
-            seqs = [seqs[i] for i in room]
-            index = torch.tensor(room, device=self.device)
-            meta = AttentionMeta.build([(seq.computed + j, 1, seq.blocks) for seq in seqs], self.blocks.block_size,
-                                       self.device)
-            x, logits = self.model.mtp_step(x[index], torch.tensor([s.drafts[-1] for s in seqs], device=self.device),
-                                            meta, self.cache)
-        self.drafted += sum(len(catch[i][0].drafts) for i in decoding)
+            seqs, at = [seqs[i] for i in room], [at[i] for i in room]
+            x = x[torch.tensor(room, device=self.device)] if x is not None else None
+            x, logits = self._run(x, [s.drafts[-1] for s in seqs], [(pos, 1, s.blocks) for s, pos in zip(seqs, at)])
+        self.drafted += sum(len(catch[i][0].drafts) for i in picks)
 
     def _room(self, seq: Sequence, position: int) -> bool:
         """Whether `seq` has (or can get) a cache slot at `position`."""

@@ -1,12 +1,16 @@
-"""Speculative decoding with the checkpoint's MTP layer: greedy outputs are exactly those
-of decoding one token a step, with and without prefix-cache hits, whatever the number of
+"""Speculative decoding with the checkpoint's MTP layer or a separate draft model (loaded
+beside the target, or attached from another daemon): greedy outputs are exactly those of
+decoding one token a step, with and without prefix-cache hits, whatever the number of
 drafts; sampled outputs keep the target's distribution (checked on the acceptance rule
 itself, many draws); a cache too small for everyone makes the scheduler drop drafts and
 preempt, and every request still finishes with the same answer."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,10 +116,54 @@ def test_a_full_cache_with_drafts_preempts_and_finishes(plain):
 
 @pytest.mark.parametrize("text, says", [
     ("not json", "not JSON"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'mtp'"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "'mtp' .* or 'draft_model'"),
     ('{"method": "mtp", "num_speculative_tokens": 0}', "1 to 8"),
-    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}', "takes method and"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}', "takes method, num_spec"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "takes one of model"),
+    ('{"model": "/a", "state_dir": "/b", "num_speculative_tokens": 2}', "takes one of model"),
+    ('{"method": "mtp", "model": "/a", "num_speculative_tokens": 2}', "'mtp' takes neither"),
 ])
 def test_a_bad_speculative_config_is_refused_saying_why(text, says):
     with pytest.raises(ValueError, match=says):
         SpecConfig.parse(text)
+
+
+def draft_spec(k: int, **where) -> EngineOptions:
+    return replace(BASE, speculative_config=json.dumps({"method": "draft_model", "num_speculative_tokens": k} | where))
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A random two-layer V2 model with the bundled model's vocabulary: a poor drafter."""
+    from checkpoints import make_hf_model, save_hf_model
+
+    vocab = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())["vocab_size"]
+    return save_hf_model(make_hf_model("v2", seed=3, vocab_size=vocab, num_hidden_layers=2),
+                         tmp_path_factory.mktemp("draft"))
+
+
+def test_a_draft_model_gives_the_same_greedy_outputs(plain, small_draft):
+    want = plain.generate(PROMPTS, max_tokens=24, ignore_eos=True)
+    poor = LLM(BUNDLED_MODEL, dtype="float32", engine=draft_spec(3, model=str(small_draft)))
+    assert [g.token_ids for g in poor.generate(PROMPTS, max_tokens=24, ignore_eos=True)] == [w.token_ids for w in want]
+    assert poor.engine.stats().spec_draft_tokens > 0
+    twin = LLM(BUNDLED_MODEL, dtype="float32", engine=draft_spec(2, model=BUNDLED_MODEL))  # drafts what it will say
+    assert [g.token_ids for g in twin.generate(PROMPTS, max_tokens=24, ignore_eos=True)] == [w.token_ids for w in want]
+    s = twin.engine.stats()
+    assert s.spec_accepted_tokens == s.spec_draft_tokens > 0
+
+
+def test_a_draft_model_attached_from_another_daemon(plain, small_draft, tmp_path):
+    from daemons import running_daemon
+
+    with running_daemon(tmp_path / "draft-state", small_draft, "--dtype", "float32") as d:
+        llm = LLM(BUNDLED_MODEL, dtype="float32", engine=draft_spec(2, state_dir=str(d.state_dir)))
+        got = llm.generate(PROMPTS, max_tokens=16, ignore_eos=True)
+        assert [g.token_ids for g in got] == [w.token_ids for w in plain.generate(PROMPTS, max_tokens=16, ignore_eos=True)]
+        assert d.status()["attached_workers"] == [os.getpid()]  # zero-copy: this process maps the daemon's arena
+        llm.close()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(BUNDLED_MODEL, dtype="float32", engine=draft_spec(2, model=str(tiny_checkpoint)))
