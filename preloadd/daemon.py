@@ -231,6 +231,10 @@ class Daemon:
                 if why:
                     said = last_line(o.state_dir / "worker-0.log")
                     raise DaemonError(f"{why} (worker 0 said: {said}); see {o.state_dir}/worker-*.log")
+            else:
+                for slot, pid in orphan_slots(o.state_dir).items():  # (titles of our uid: ours to stop)
+                    log.warning("worker %d (pid %d), left by the last daemon, retires: this one runs no workers", slot, pid)
+                    os.kill(pid, signal.SIGTERM)  # it drains and exits
             if self.keeper:
                 self.keeper.wait_kept()
             self.state = "ready"

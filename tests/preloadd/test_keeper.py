@@ -129,3 +129,14 @@ def test_without_a_keeper_the_weights_go_with_the_daemon(tiny_checkpoint, tmp_pa
         assert d.status()["keeper_pid"] is None
         assert [p.pid for p in daemon_processes(state_dir)] == [d.pid]
         assert sockets_in(state_dir) == ["control.sock", "fds.sock"]
+
+
+def test_a_daemon_without_workers_retires_the_workers_a_dead_one_left(tiny_checkpoint, tmp_path):
+    port, state_dir = free_port(), tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as first:
+        [worker] = first.status()["workers"]
+        kill_daemon(first)
+        with running_daemon(state_dir, tiny_checkpoint) as second:  # holds the weights only
+            assert second.status()["readopted"]
+            assert wait_for(lambda: dead(worker["pid"]), timeout=30), "the orphan kept serving for nobody"
+    assert daemon_processes(state_dir) == []
