@@ -130,10 +130,10 @@ def mla_sweep():
         for min_split, block_n, warps in itertools.product((16, 32, 64, 128), (16, 32, 64), (4, 8)):
             if min_split < block_n:
                 continue
-            md.MIN_SPLIT, md.BLOCK_N = min_split, block_n
+            md.MIN_SPLIT = min_split  # (splits_for reads it)
             splits = md.splits_for(batch, 16, width)
 
-            def fn(c, splits=splits, warps=warps):
+            def fn(c, splits=splits, warps=warps, block_n=block_n, min_split=min_split):
                 q_lat, q_pe, pools, table, lens = cases[c]
                 parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
                 lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
@@ -142,7 +142,7 @@ def mla_sweep():
                     q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
                     parts.stride(0), parts.stride(1), parts.stride(2),
                     R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
-                    BLOCK_H=16, BLOCK_N=md.BLOCK_N, MIN_SPLIT=md.MIN_SPLIT, num_warps=warps)
+                    BLOCK_H=16, BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=warps)
             try:
                 us = timed(fn)
             except Exception as e:
@@ -159,7 +159,7 @@ def full_call_mla():
     for batch, ctx in ((1, 1024), (1, 8192), (64, 1024)):
         cases = [paged_case([ctx] * batch, 16, 512, 64, 16, False, seed=s) for s in range(COPIES)]
         fn = lambda c: md.mla_decode_latent(*cases[c][:4], cases[c][4], 16, 163840, 0.1)  # noqa: E731
-        results.append(dict(batch=batch, ctx=ctx, us=timed(fn), min_split=md.MIN_SPLIT, block_n=md.BLOCK_N))
+        results.append(dict(batch=batch, ctx=ctx, us=timed(fn), min_split=md.MIN_SPLIT, block_n=md.block_n(batch)))
     return results
 
 
