@@ -180,7 +180,8 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
                                speculative_config=spec, enable_prefix_caching=False)  # (random prompts: no hits anyway)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
-        result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t  # load, and capture unless eager
+        label = f"{quant}, {k} MTP drafts" if k else quant
+        result.setdefault("engine_start_s", {})[label] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
         for batch, context in cases:
             progress(f"{quant}{f', {k} MTP drafts' if k else ''}: batch {batch}, context {context}")

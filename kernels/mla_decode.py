@@ -143,7 +143,7 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
     q_lat [B, H, R], q_pe [B, H, DR]; one layer's pools (read through pools.ptrs);
     block_table [B, NB], context_lens [B] (no longer than max_context). -> [B, H, R]."""
     batch, heads, rank = q_lat.shape
-    splits = splits_for(batch, heads, max_context)
+    splits, bn = splits_for(batch, heads, max_context), block_n(batch)  # (both kernels cut the splits alike)
     parts = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
     _mla_decode_split[(batch, triton.cdiv(heads, BLOCK_H), splits)](
@@ -151,7 +151,7 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
         R=rank, DR=q_pe.shape[-1], PAGE=block_size, CACHE=TRITON_DTYPES[pools.c_kv.dtype],
-        FP8=pools.c_scale is not None, DOT=dot_dtype(q_lat.dtype), BLOCK_H=BLOCK_H, BLOCK_N=block_n(batch),
+        FP8=pools.c_scale is not None, DOT=dot_dtype(q_lat.dtype), BLOCK_H=BLOCK_H, BLOCK_N=bn,
         MIN_SPLIT=MIN_SPLIT, num_warps=4,
     )
     out = torch.empty_like(q_lat)
@@ -159,6 +159,6 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
     _mla_decode_combine[(batch, heads, rank // block_r)](
         parts, lse, context_lens, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
         out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=min(32, triton.next_power_of_2(splits)),
-        BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT, BLOCK_N=block_n(batch),
+        BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT, BLOCK_N=bn,
     )
     return out

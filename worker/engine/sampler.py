@@ -76,14 +76,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = apply_penalties(logits, generated, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         return int(logits.argmax())
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1.0:
-        probs = top_p_filter(probs, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a sampled request draws from, for logits [..., V]: temperature, then top-k,
+    then top-p (`sample`'s, and speculative decoding's acceptance test's)."""
+    x = logits / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(params.top_k, dim=-1).values[..., -1:], float("-inf"))
+    probs = x.softmax(-1)
+    return top_p_filter(probs, params.top_p) if params.top_p < 1.0 else probs
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

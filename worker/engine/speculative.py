@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preload.worker.engine.sampler import top_p_filter
-from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
 
@@ -91,15 +90,6 @@ def speculates(seq: Sequence) -> bool:
             and p.logprobs is None and not p.prompt_logprobs)
 
 
-def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from, for rows [N, V] of logits."""
-    x = logits / p.temperature
-    if 0 < p.top_k < x.shape[-1]:
-        x = x.masked_fill(x < x.topk(p.top_k, dim=-1).values[..., -1:], float("-inf"))
-    probs = x.softmax(-1)
-    return top_p_filter(probs, p.top_p) if p.top_p < 1.0 else probs
-
-
 def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
     """One draft per row of MTP logits: the argmax for greedy requests; for sampled ones a
     draw from q (their own generator), with q kept for the acceptance test."""
@@ -107,7 +97,7 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     qs: list[torch.Tensor | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
-            qs[i] = target_probs(logits[i], seq.params)
+            qs[i] = distribution(logits[i], seq.params)
             tokens[i] = int(torch.multinomial(qs[i], 1, generator=seq.generator))
     return tokens, qs
 
@@ -123,7 +113,7 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
     gen = seq.generator
     out = []
     for j, d in enumerate(drafts):
-        p, q = target_probs(rows[j], seq.params), seq.draft_probs[j]
+        p, q = distribution(rows[j], seq.params), seq.draft_probs[j]
         u = float(torch.rand((), generator=gen, device=rows.device)) if gen is not None else float(torch.rand(()))
         if u * float(q[d]) < float(p[d]):  # accepted with probability min(1, p(d) / q(d))
             out.append(d)
@@ -132,7 +122,7 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
         total = float(residual.sum())
         fallback = residual / total if total > 0 else p
         return out + [int(torch.multinomial(fallback, 1, generator=gen))]
-    return out + [int(torch.multinomial(target_probs(rows[len(drafts)], seq.params), 1, generator=gen))]
+    return out + [int(torch.multinomial(distribution(rows[len(drafts)], seq.params), 1, generator=gen))]
 
 
 class Drafter:

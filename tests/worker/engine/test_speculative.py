@@ -17,9 +17,10 @@ import torch
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
+from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
-from preload.worker.engine.speculative import SpecConfig, accept, target_probs
+from preload.worker.engine.speculative import SpecConfig, accept
 from preload.worker.model.kv_cache import bytes_per_token
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False)
@@ -84,7 +85,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     gen = torch.Generator().manual_seed(0)
     target = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5], [0.0] * 8])
     params = SamplingParams(temperature=1.0, max_tokens=4)
-    p = target_probs(target[0], params)
+    p = distribution(target[0], params)
     q = torch.tensor([0.05, 0.4, 0.05, 0.2, 0.1, 0.1, 0.05, 0.05])
     counts = torch.zeros(8)
     for _ in range(40_000):
