@@ -130,9 +130,27 @@ def profile_steps(llm, batch: int, context: int, vocab: int, steps: int = 5, top
     busy = sum(e.self_device_time_total for e in kernels) / steps
     kernels.sort(key=lambda e: -e.self_device_time_total)
     return {"batch": batch, "context": context, "wall_ms": 1000 * wall, "gpu_busy_ms": busy / 1000,
+            "replay_ms": replay_ms(llm, batch),
             "launches_per_step": sum(e.count for e in kernels) / steps,
             "top": [{"kernel": e.key[:90], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
                     for e in kernels[:top]]}
+
+
+def replay_ms(llm, batch: int, times: int = 50) -> float | None:
+    """A decode graph's replays back to back, nothing between them: the step's GPU time
+    with its kernels' launch gaps, without the host's share (scheduling, sampling, copies)."""
+    graphs = llm.graphs
+    if graphs is None or not graphs.graphs:
+        return None
+    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    graph.replay()  # (its inputs are the last step's: a replay reads and writes only the graph's buffers and the cache)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(times):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / times
 
 
 def run_transformers(model: Path, device: str, batch: int, context: int, output_len: int, vocab: int) -> dict:
@@ -183,6 +201,8 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
         label = f"{quant}, {k} MTP drafts" if k else quant
         result.setdefault("engine_start_s", {})[label] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
+        gc.collect()
+        gc.freeze()  # as a worker does once it serves (worker/serve.py)
         for batch, context in cases:
             progress(f"{quant}{f', {k} MTP drafts' if k else ''}: batch {batch}, context {context}")
             before = llm.engine.stats()
@@ -196,6 +216,7 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
             result["runs"].append(case)
             if profile and context == first_context and dev.type == "cuda":
                 result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
+        gc.unfreeze()
         del llm
         gc.collect()
         if dev.type == "cuda":
@@ -227,6 +248,7 @@ def format_table(result: dict) -> str:
                           f"{r['total_s']:.2f}"), widths))
     for p in result.get("profiles", []):
         lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"
-                      f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"]
+                      f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"
+                      + (f", graph replay alone {p['replay_ms']:.2f} ms" if p.get("replay_ms") else "")]
         lines += [f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}" for k in p["top"]]
     return "\n".join(lines)

@@ -209,9 +209,10 @@ class VmmArena(_VmmHolder):
 
 
 class VmmMapping(_VmmHolder):
-    """Worker side: the arena imported from its fd and mapped read-only."""
+    """Worker side: the arena imported from its fd and mapped read-only (a worker's own
+    KV memory, handed on to the next worker of its slot: writable)."""
 
-    def __init__(self, info: ArenaInfo, fds: list[int]):
+    def __init__(self, info: ArenaInfo, fds: list[int], writable: bool = False):
         self.size, self.ordinal = info.size, info.device
         self.fd = fds[0]
         try:
@@ -219,7 +220,8 @@ class VmmMapping(_VmmHolder):
             handle = ctypes.c_uint64()
             _check(_cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(self.fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
             self.handle = handle.value
-            self.ptr = _map(self.handle, self.size, self.ordinal, CU_MEM_ACCESS_FLAGS_PROT_READ)
+            flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else CU_MEM_ACCESS_FLAGS_PROT_READ
+            self.ptr = _map(self.handle, self.size, self.ordinal, flags)
         except BaseException:
             self.close()
             raise

@@ -73,8 +73,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def send_with_fds(sock: socket.socket, msg: dict, fds: list[int]) -> None:
+    """One length-prefixed message, the fds riding on its first bytes. The rest goes
+    after them: one sendmsg may take only part of a large message (a socket with a
+    timeout does not block until all of it is sent), and the rest must still follow."""
     data = encode(msg)
-    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], fds)
+    frame = struct.pack("!I", len(data)) + data
+    sent = socket.send_fds(sock, [frame], fds)
+    if sent < len(frame):
+        sock.sendall(memoryview(frame)[sent:])
 
 
 def recv_with_fds(sock: socket.socket, max_fds: int = 16) -> tuple[dict, list[int]]:

@@ -1,6 +1,6 @@
 """Mixture-of-experts on the GPU: every routed expert of every token in two grouped
 GEMMs, with no host sync (Triton). `moe.moe_experts` is the reference it is tested against.
-The same kernel, with one expert, is the fp8 linear layer (`fp8_linear`).
+The same kernel, with one expert, is the fp8 linear layer for many rows (fp8_linear.py).
 
 1. `align_by_expert`: the batch's (token, k) pairs sorted by expert on the device, each
    expert's run padded to a multiple of BLOCK_M, so that a block of rows needs one
@@ -99,15 +99,18 @@ def _grouped_gemm(
         a = tl.load(a_ptr + row[:, None] * stride_am + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
         w_mask = (k[:, None] < K) & (cols[None, :] < N)
         w = tl.load(w_ptr + w_tile + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        if FP8:  # one scale per (SCALE_N x SCALE_K) block; BLOCK_K divides SCALE_K
+        if FP8:  # one scale per (SCALE_N x SCALE_K) block; BLOCK_K divides SCALE_K, so within
+            # a K tile the scale is one per column: it multiplies the tile's product (e4m3 -> bf16 is exact)
             s_off = e * stride_se + (cols // SCALE_N) * stride_sn + (kb * BLOCK_K // SCALE_K) * stride_sk
-            w = w.to(tl.float32) * tl.load(s_ptr + s_off, mask=cols < N, other=0.0)[None, :]
-        acc += tl.dot(a.to(DOT), w.to(DOT))
+            acc += tl.dot(a.to(DOT), w.to(DOT)) * tl.load(s_ptr + s_off, mask=cols < N, other=0.0)[None, :]
+        else:
+            acc += tl.dot(a.to(DOT), w.to(DOT))
         if SWIGLU:
             w2 = tl.load(w2_ptr + w_tile + k[:, None] * stride_wk, mask=w_mask, other=0.0)
             if FP8:
-                w2 = w2.to(tl.float32) * tl.load(s2_ptr + s_off, mask=cols < N, other=0.0)[None, :]
-            acc2 += tl.dot(a.to(DOT), w2.to(DOT))
+                acc2 += tl.dot(a.to(DOT), w2.to(DOT)) * tl.load(s2_ptr + s_off, mask=cols < N, other=0.0)[None, :]
+            else:
+                acc2 += tl.dot(a.to(DOT), w2.to(DOT))
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     if ROUTED:
@@ -178,20 +181,3 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     route = weights.flatten().to(torch.float32).contiguous()
     _launch(h, down, y, aligned, pairs, top_k, block_m, route=route, rows_per_pair=True)
     return y.view(t, top_k, -1).sum(1)
-
-
-def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x @ W^T for an e4m3 matrix with its scales, dequantized in registers, never in
-    memory: the grouped GEMM with one expert and every row its own pair."""
-    shape, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()
-    t, n = rows.shape[0], w.q.shape[0]
-    block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
-    capacity = triton.cdiv(t, block_m) * block_m
-    pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
-    # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
-    aligned = (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device),
-               torch.full((1,), capacity, dtype=torch.int32, device=x.device))
-    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    _launch(rows, Fp8Weight(w.q[None], w.scale_inv[None], w.block), out, aligned, t, 1, block_m, rows_per_pair=True)
-    return out.view(*shape, n)

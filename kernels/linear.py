@@ -1,7 +1,7 @@
 """The linear layer over a stored weight: a float matrix, or e4m3 with its block scales.
 
 On a GPU an fp8 matrix is read by a Triton kernel that dequantizes in registers
-(fused_moe.fp8_linear); elsewhere the reference dequantizes the matrix, then multiplies.
+(fp8_linear.py); elsewhere the reference dequantizes the matrix, then multiplies.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ W^T. FP8 weights: on a GPU a Triton kernel reads e4m3 and its scales and
-    dequantizes in registers (fused_moe.fp8_linear); the reference, elsewhere, dequantizes
+    dequantizes in registers (fp8_linear.py); the reference, elsewhere, dequantizes
     the matrix first."""
     if isinstance(w, Fp8Weight) and x.is_cuda:
-        from preload.kernels.fused_moe import fp8_linear  # Triton: imported only where there is a GPU
+        from preload.kernels.fp8_linear import fp8_linear  # Triton: imported only where there is a GPU
 
         return fp8_linear(x, w)
     return F.linear(x, dense(w, x.dtype))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from preload.kernels.linear import linear
-from preload.kernels.quant import Weight
+from preload.kernels.quant import Fp8Weight, Weight
 
 
 def _mask_to_top_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, fill: float) -> torch.Tensor:
@@ -84,7 +84,14 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k:
 
 
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
-    """down(silu(gate x) * up x): the feed-forward of every dense layer and expert."""
+    """down(silu(gate x) * up x): the feed-forward of every dense layer and expert.
+    (fp8 on a GPU, a few rows: gate, up and SiLU in one launch, fp8_linear.fp8_swiglu.)"""
+    if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight) and x.is_cuda:
+        from preload.kernels.fp8_linear import fp8_swiglu  # Triton: imported only where there is a GPU
+
+        h = fp8_swiglu(x, gate, up)
+        if h is not None:
+            return linear(h, down)
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 

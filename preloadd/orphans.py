@@ -70,21 +70,28 @@ class OrphanListener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self) -> tuple[socket.socket, dict] | None:
-        """A connected orphan of our uid and what it claims (its pid checked against the
-        kernel's word); None for anything else, which is closed."""
+    def accept(self) -> tuple[socket.socket, dict, list[int]] | None:
+        """A connected orphan of our uid, what it claims (its pid checked against the
+        kernel's word) and the fd of its KV memory (if it sent one); None for anything
+        else, which is closed."""
         try:
             conn, _ = self.sock.accept()
         except BlockingIOError:
             return None
+        fds: list[int] = []
         try:
             pid, uid, _ = peer_credentials(conn)
+            if uid != os.getuid():
+                raise ValueError(f"uid {uid}")  # (before reading anything it sends)
             conn.settimeout(CLAIM_TIMEOUT)
-            claim = json.loads(conn.recv(1 << 16))
-            if uid == os.getuid() and isinstance(claim, dict) and claim.get("event") == "adopt" and claim.get("pid") == pid:
-                return conn, claim
+            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 1)
+            claim = json.loads(data)
+            if isinstance(claim, dict) and claim.get("event") == "adopt" and claim.get("pid") == pid:
+                return conn, claim, fds
         except (OSError, ValueError):
             pass
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return None
 

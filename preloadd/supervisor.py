@@ -32,7 +32,7 @@ from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
 from preload.preloadd.rolling import RollingRestart
-from preload.preloadd.workers import Slot, Worker, become_subreaper, describe_exit, reap, reap_orphans, unregister
+from preload.preloadd.workers import Slot, Worker, become_subreaper, close_fds, describe_exit, reap, reap_orphans, unregister
 
 log = logging.getLogger("preload.daemon")
 
@@ -209,7 +209,7 @@ class Supervisor:
         got = self.adoption.listener.accept()
         if got is None:
             return
-        conn, claim = got
+        conn, claim, fds = got
         why = self.adoption.verdict(claim, len(self.slots), lambda slot: self.holder(slot) is None)
         if why is None and self._stopping is not None:
             why = "the daemon is stopping"
@@ -218,7 +218,12 @@ class Supervisor:
             conn.send(json.dumps({"adopted": True} if why is None else {"retire": why}).encode())
         except OSError:
             conn.close()
+            close_fds(fds)
             return  # it is gone already
+        if why is None:
+            self.slots[claim["slot"]].keep_kv(fds, claim)
+        else:
+            close_fds(fds)
         worker = Worker(claim["pid"], conn, pidfd, claim["slot"] if why is None else None, adopted=True, told=True)
         worker.stamps["adopted"] = time.time()
         if why is None:
@@ -235,8 +240,10 @@ class Supervisor:
         """Tell a worker (forked for its slot, or a spare just given one) to serve its slot."""
         worker.told, worker.state, worker.since = True, "starting", time.monotonic()
         worker.stamps["slot_given"] = time.time()
+        kv = self.slots[worker.slot].kv
+        msg = {"slot": worker.slot} | ({"kv_cache_bytes": kv[1], "kv_memory_bytes": kv[2]} if kv else {})
         try:
-            worker.link.send(json.dumps({"slot": worker.slot}).encode())
+            socket.send_fds(worker.link, [json.dumps(msg).encode()], [kv[0]] if kv else [])
         except OSError:
             pass  # it died meanwhile: its pidfd says so
 
@@ -263,21 +270,32 @@ class Supervisor:
     def _hear(self, worker: Worker) -> None:
         for _ in range(16):
             try:
-                data = worker.link.recv(1 << 16)
+                data, fds, _, _ = socket.recv_fds(worker.link, 1 << 16, 1)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:  # it closed its end: it is exiting, and its pidfd will say when
+                close_fds(fds)
                 self._unregister(worker.link)
                 return
             try:
                 msg = json.loads(data)
-                self._on_message(worker, msg["event"], msg)
+                event = msg["event"]
+            except (ValueError, KeyError, TypeError) as e:
+                close_fds(fds)
+                log.warning("%s (pid %d) sent a malformed message (%s): %r", worker.name, worker.pid, e, data[:200])
+                continue
+            try:
+                self._on_message(worker, event, msg, fds)  # (takes the fds: keeps or closes them)
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("%s (pid %d) sent a malformed message (%s): %r", worker.name, worker.pid, e, data[:200])
 
-    def _on_message(self, w: Worker, event: str, msg: dict) -> None:
+    def _on_message(self, w: Worker, event: str, msg: dict, fds: list[int]) -> None:
+        if event == "ready" and w.told and w.slot is not None:
+            self.slots[w.slot].keep_kv(fds, msg)  # (its KV memory, for the slot's next worker)
+        else:
+            close_fds(fds)  # nothing else comes with fds
         now = time.monotonic()
         w.heard = now
         if event == "beat":
@@ -422,6 +440,8 @@ class Supervisor:
             reap(w, block=True)
             w.close()
         self.workers.clear()
+        for slot in self.slots:
+            slot.drop_kv()
         if self.zygotes:
             self.zygotes.stop()
         self._publish()

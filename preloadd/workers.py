@@ -84,6 +84,29 @@ class Slot:
     next_start: float = 0.0  # backoff: not before this time
     replacement: dict = field(default_factory=dict)  # stage stamps of its latest replacement
     successor: Worker | None = None  # the worker that replacement brought in
+    # The KV memory its workers keep (ipc/kv_memory.py): an fd, the engine's budget, its
+    # size. Held here so that the next worker of the slot maps it instead of allocating.
+    kv: tuple[int, int, int] | None = None
+
+    def keep_kv(self, fds: list[int], msg: dict) -> None:
+        """Hold the KV memory a worker of this slot sent (with `msg`'s sizes), instead of
+        what was held before (a worker that could not use it made its own)."""
+        if not fds:
+            return
+        try:
+            kv = (fds[0], int(msg["kv_cache_bytes"]), int(msg["kv_memory_bytes"]))
+        except (KeyError, TypeError, ValueError):
+            close_fds(fds)
+            raise
+        close_fds(fds[1:])
+        if self.kv is not None and self.kv[0] != kv[0]:
+            os.close(self.kv[0])
+        self.kv = kv
+
+    def drop_kv(self) -> None:
+        if self.kv is not None:
+            os.close(self.kv[0])
+            self.kv = None
 
     def vacancy(self) -> str:
         """The state of this slot while no worker holds it."""
@@ -179,3 +202,8 @@ def unregister(sel: selectors.BaseSelector, fileobj) -> None:
         sel.unregister(fileobj)
     except (KeyError, ValueError):
         pass
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -1,6 +1,7 @@
 """Tile sweep of the hot decode kernels at V2-Lite shapes on the GPU, timed inside CUDA
 graphs, rotating over several weight copies so L2 holds none of them between launches:
-the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate.
+the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
+and (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS.
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
 Its output on an H200 is results/moe-tiles-h200.json; the choices it led to are in
 fused_moe.tile_config, mla_decode (MIN_SPLIT, block_n) and fused_router.MIN_SPLIT_D.
@@ -19,6 +20,7 @@ import time
 import torch
 import triton
 
+from preload.kernels import fp8_linear as fl
 from preload.kernels import fused_moe as fm
 from preload.kernels import fused_router as fr
 from preload.kernels import mla_decode as md
@@ -179,7 +181,38 @@ def gate_sweep():
     return results
 
 
+DENSE = {"kv_a": (576, 2048), "q": (3072, 2048), "o": (2048, 2048), "shared_gate": (2816, 2048),
+         "shared_down": (2048, 2816), "dense_gate": (10944, 2048), "dense_down": (2048, 10944)}
+
+
+def dense_sweep():
+    """V2-Lite's dense matrices at 1 to 16 rows: bf16 through cuBLAS, e4m3 through the
+    split-K kernel (block_n 32 to 128) and through the grouped GEMM (the path before it)."""
+    from preload.kernels.fp8 import quantize_block
+
+    results = []
+    for name, (n, k) in DENSE.items():
+        bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        q8 = [Fp8Weight(*quantize_block(w.float()), (128, 128)) for w in bf]
+        for t in (1, 16):
+            x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            row = dict(matrix=name, n=n, k=k, rows=t, bf16_us=timed(lambda c: torch.nn.functional.linear(x, bf[c])))
+            for bn in (32, 64):
+                row[f"gemv_bn{bn}_us"] = timed(lambda c: fl.split_k_gemv(x, q8[c], block_n=bn))
+            grouped = fl.GEMV_ROWS
+            fl.GEMV_ROWS = 0
+            row["grouped_us"] = timed(lambda c: fl.fp8_linear(x, q8[c]))
+            fl.GEMV_ROWS = grouped
+            row["bf16_bytes_us_at_4.8TB"] = n * k * 2 / 4.8e6
+            results.append(row)
+            print(row, file=sys.stderr)
+    return results
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--dense"]:
+        json.dump({"dense": dense_sweep()}, sys.stdout, indent=1)
+        sys.exit(0)
     if len(sys.argv) > 2 and sys.argv[1] == "--compile-shard":
         i, n = map(int, sys.argv[2].split("/"))
         COPIES = 1

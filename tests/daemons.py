@@ -30,6 +30,7 @@ from preload.bench.driver import (  # noqa: F401 - re-exported: the tests import
 
 PRELOAD = str(SCRIPT)  # tests run in the virtualenv, where the script is installed
 ARENA_LABEL = "memfd:preload-arena"
+KV_LABEL = "memfd:preload-kv"  # a worker's KV memory on the CPU (ipc/kv_memory.py)
 START_TIMEOUT = 120  # seconds; a start costs ~3 s (import torch), more on a loaded machine
 
 
@@ -37,8 +38,8 @@ def sockets_in(state_dir: Path) -> list[str]:
     return sorted(p.name for p in state_dir.glob("*.sock")) if state_dir.exists() else []
 
 
-def arena_inodes(pid: int) -> set[tuple[int, int]]:
-    """(st_dev, st_ino) of every preload arena memfd open in process `pid`."""
+def arena_inodes(pid: int, label: str = ARENA_LABEL) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of every preload arena memfd (or other memfd `label`) open in process `pid`."""
     found = set()
     fd_dir = Path(f"/proc/{pid}/fd")
     try:
@@ -47,7 +48,7 @@ def arena_inodes(pid: int) -> set[tuple[int, int]]:
         return found
     for fd in fds:
         try:
-            if os.readlink(fd).startswith("/" + ARENA_LABEL):
+            if os.readlink(fd).startswith("/" + label):
                 st = os.stat(fd)
                 found.add((st.st_dev, st.st_ino))
         except OSError:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from preload.kernels.attention import Pools
-from preload.kernels.fp8 import FP8, FP8_MAX
+from preload.kernels.fp8 import FP8, FP8_MAX, quantize_block
+from preload.kernels.quant import Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,3 +45,20 @@ def paged_case(lens: list[int], heads: int, rank: int, rope: int, page: int, fp8
     table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return q_lat, q_pe, pools, table, ctx
+
+
+def experts(num: int, d: int, inner: int, quant: str, gen: torch.Generator) -> list[tuple]:
+    """Each expert's (gate, up, down), laid out one after another in one buffer as the
+    arena does, as views into it."""
+    mats = [[torch.randn(*shape, generator=gen) * 0.05 for shape in ((inner, d), (inner, d), (d, inner))]
+            for _ in range(num)]
+    if quant == "none":
+        flat = torch.cat([m.flatten() for e in mats for m in e]).to(torch.bfloat16).to(DEVICE)
+        views, at = [], 0
+        for e in mats:
+            views.append(tuple(flat[at + sum(m.numel() for m in e[:i]):][: e[i].numel()].view(e[i].shape) for i in range(3)))
+            at += sum(m.numel() for m in e)
+        return views
+    block = (128, 128) if quant == "fp8_block" else None
+    return [tuple(Fp8Weight(*[t.to(DEVICE) for t in quantize_block(m, block or m.shape)], block or m.shape)
+                  for m in e) for e in mats]

@@ -3,15 +3,20 @@ worker alone (by the zygote, or by the daemon for a fresh interpreter).
 
 Messages are JSON, one per packet:
   daemon -> worker  {"slot": k}                               serve slot k (a spare waits for this)
+                    {"slot": k, "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
+                                                              ... in the KV memory the slot's last worker left
   worker -> daemon  {"event": "warm"}                         attached and warmed up, waiting for a slot
-                    {"event": "ready", "kv_cache_bytes": n}   accepting on the shared socket
+                    {"event": "ready", "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
+                                                              accepting on the shared socket; the fd of its KV
+                                                              memory (ipc/kv_memory.py), for the slot's next worker
                     {"event": "beat", "steps": s, "busy": b}  every HEARTBEAT_INTERVAL seconds
 
 The beats let the daemon find a worker that is frozen (no beat at all) or whose engine
 has work but makes no step. When the daemon dies, a spare reads EOF and exits; a
 serving worker keeps serving and, every REJOIN_INTERVAL, tries the socket where a new
 daemon of its state dir takes over the workers the last one left (preloadd/orphans.py):
-  worker -> daemon  {"event": "adopt", "pid": p, "slot": k, "fingerprint": f, "kv_cache_bytes": n}
+  worker -> daemon  {"event": "adopt", "pid": p, "slot": k, "fingerprint": f, "kv_cache_bytes": n,
+                     "kv_memory_bytes": m} + the fd of its KV memory
   daemon -> worker  {"adopted": true}       supervised again: beats go on the new link
                     {"retire": "why"}       drain and exit (the slot gets a fresh worker)
 """
@@ -25,6 +30,7 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from preload.ipc.protocol import workers_socket_path
 
@@ -32,6 +38,15 @@ log = logging.getLogger("preload.worker")
 
 HEARTBEAT_INTERVAL = 0.5  # seconds; the daemon's --worker-timeout is several of these
 REJOIN_INTERVAL = 0.2  # seconds between tries to reach a new daemon once ours is gone
+
+
+class KvOffer(NamedTuple):
+    """The KV memory the slot's last worker left: its fd (now ours), the engine's
+    budget (kv_cache_bytes) and the memory's size."""
+
+    fd: int
+    kv_cache_bytes: int
+    kv_memory_bytes: int
 
 
 class DaemonLink:
@@ -43,16 +58,18 @@ class DaemonLink:
         self.sock, self.on_slot, self.on_retire = socket.socket(fileno=fd), on_slot, on_retire
         self.rejoin_path = workers_socket_path(state_dir) if state_dir is not None else None
         self.slot: int | None = None
-        self.claim: dict = {}  # what a new daemon is told of us: fingerprint, kv_cache_bytes
+        self.claim: dict = {}  # what a new daemon is told of us: fingerprint, kv_cache_bytes, kv_memory_bytes
+        self.kv_fd = -1  # our KV memory's fd: with `ready`, and to a new daemon with the claim
+        self.kv_offer: KvOffer | None = None
         self._send_lock = threading.Lock()  # beats come from their own thread
         self._stop = threading.Event()
 
-    def report(self, event: str, **fields) -> bool:
-        """Tell the daemon; False once it is gone."""
+    def report(self, event: str, fds: tuple[int, ...] = (), **fields) -> bool:
+        """Tell the daemon (with `fds`); False once it is gone."""
         data = json.dumps({"event": event, **fields}).encode()
         try:
             with self._send_lock:
-                self.sock.send(data)
+                socket.send_fds(self.sock, [data], list(fds)) if fds else self.sock.send(data)
             return True
         except OSError:
             return False
@@ -60,12 +77,15 @@ class DaemonLink:
     def wait_for_slot(self) -> int | None:
         """Block until the daemon gives us a slot; None if it went away first."""
         try:
-            data = self.sock.recv(1 << 16)
+            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
         except OSError:
             return None
         if not data:
             return None
-        slot = int(json.loads(data)["slot"])
+        msg = json.loads(data)
+        slot = int(msg["slot"])
+        if fds:
+            self.kv_offer = KvOffer(fds[0], int(msg["kv_cache_bytes"]), int(msg["kv_memory_bytes"]))
         self.on_slot(slot)
         self.slot = slot
         return slot
@@ -94,7 +114,8 @@ class DaemonLink:
         try:
             sock.settimeout(5.0)
             sock.connect(str(self.rejoin_path))
-            sock.send(json.dumps({"event": "adopt", "pid": os.getpid(), "slot": self.slot, **self.claim}).encode())
+            claim = json.dumps({"event": "adopt", "pid": os.getpid(), "slot": self.slot, **self.claim}).encode()
+            socket.send_fds(sock, [claim], [self.kv_fd] if self.kv_fd >= 0 else [])
             reply = json.loads(sock.recv(1 << 16) or b"{}")
         except (OSError, ValueError):
             sock.close()

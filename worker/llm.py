@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.identity import IdentityError, verify_checkpoint
 from preload.checkpoint.reader import load_checkpoint, resolve_device, resolve_dtype
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.ipc.kv_memory import KvMemory
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
 from preload.worker.engine.cuda_graphs import DecodeGraphs
@@ -65,17 +66,19 @@ class LLM:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
         self.graphs: DecodeGraphs | None = None
+        self.engine: Engine | None = None
         engine = engine or EngineOptions()
         if engine.kv_cache_memory is None:
             engine = replace(engine, kv_cache_memory=CPU_KV_CACHE_BYTES)  # auto, in-process: a fixed budget
         self.start_engine(engine)
 
-    def start_engine(self, config: EngineOptions) -> None:
+    def start_engine(self, config: EngineOptions, kv_memory: Callable[[int], KvMemory] | None = None) -> None:
         """(Re)build the engine and its KV cache (config.kv_cache_memory in bytes); the
         old engine's cache is freed first. On a GPU, unless config.enforce_eager, the
         decode steps are captured as CUDA graphs the first time, and kept for later
-        engines of the same cache layout (only their cache's addresses change)."""
-        self.engine = None
+        engines of the same cache layout (only their cache's addresses change).
+        `kv_memory`: where the cache lives (engine.Engine), for a supervised worker."""
+        self._drop_engine()
         graphs = None
         # (Speculative steps run eagerly: the drafter reads hidden states a graph does not keep.)
         if self.device.type == "cuda" and not config.enforce_eager and not config.speculative_config:
@@ -87,7 +90,7 @@ class LLM:
         # never serves two sets of weights otherwise, and each engine has its own cache).
         fingerprint = self.attached.manifest.fingerprint if self.attached else "in-process"
         self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint,
-                             self._draft_model(config))
+                             self._draft_model(config), kv_memory)
         if graphs is not None and not graphs.graphs:
             graphs.capture(self.engine.cache, self.engine.scratch_block)
         self.stop_ids = self.engine.stop_ids
@@ -142,7 +145,14 @@ class LLM:
             self._draft = (key, Transformer(cfg, weights), attached)
         return self._draft[1]
 
+    def _drop_engine(self) -> None:
+        memory = self.engine.kv_memory if self.engine is not None else None
+        self.engine = None
+        if memory is not None:
+            memory.close()
+
     def close(self) -> None:
+        self._drop_engine()
         if self._draft is not None and self._draft[2] is not None:
             self._draft[2].close()
         if self.attached is not None:

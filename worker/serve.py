@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 import uvicorn
 
+from preload.ipc.kv_memory import KvMemory
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
 from preload.worker.api.app import create_app
@@ -31,7 +35,7 @@ from preload.worker.api.state import WorkerState
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
-from preload.worker.link import DaemonLink
+from preload.worker.link import DaemonLink, KvOffer
 from preload.worker.llm import LLM
 from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
 
@@ -53,6 +57,23 @@ def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
     # More than every sequence at full length is never used (and a small model would get millions of blocks).
     useful = e.max_num_seqs * cfg.max_position_embeddings * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
     return min(share, useful)
+
+
+def slot_memory(offer: KvOffer | None, device: torch.device) -> Callable[[int], KvMemory]:
+    """Where a supervised worker's KV cache lives: the memory its slot's last worker left
+    (`offer`, from the daemon), if it is large enough, else new memory (its fd then goes
+    to the daemon, for the next worker). See ipc/kv_memory.py."""
+
+    def memory(need: int) -> KvMemory:
+        if offer is not None:
+            if offer.kv_memory_bytes >= need:
+                return KvMemory.attach(offer.fd, offer.kv_memory_bytes, device)
+            log.warning("the slot's KV memory (%d bytes) is smaller than this worker's cache (%d): making new memory",
+                        offer.kv_memory_bytes, need)
+            os.close(offer.fd)
+        return KvMemory.create(need, device)
+
+    return memory
 
 
 class DrainingServer(uvicorn.Server):
@@ -106,7 +127,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     async def lifespan(_app):
         engine.start(asyncio.get_running_loop())
         if link is not None:
-            link.report("ready", kv_cache_bytes=llm.engine.config.kv_cache_memory)
+            link.report("ready", fds=(link.kv_fd,), **link.claim)
         warming = None if link else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
         yield
         if warming:
@@ -126,11 +147,23 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
             llm.close()
             return
         app.state.serving.metrics.worker = str(slot)
-    llm.start_engine(replace(w.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
+    t = time.monotonic()
+    offer = link.kv_offer if link is not None else None
+    budget = offer.kv_cache_bytes if offer else kv_cache_bytes(opts, llm)
+    llm.start_engine(replace(w.engine, kv_cache_memory=budget), kv_memory=slot_memory(offer, llm.device) if link else None)
     engine.use(llm.engine)
-    log.info("KV cache: %.2f GiB, %d tokens", llm.engine.config.kv_cache_memory / (1 << 30), llm.engine.max_model_len)
+    # What exists now lives as long as the worker: the collector need not walk the model's
+    # objects again (a full collection of them, landing inside a decode step, stalls it).
+    gc.collect()
+    gc.freeze()
+    inherited = offer is not None and not llm.engine.kv_memory.fresh
+    log.info("KV cache: %.2f GiB, %d tokens, %s in %.3f s", budget / (1 << 30), llm.engine.max_model_len,
+             "the slot's, mapped again" if inherited else "made", time.monotonic() - t)
     if link is not None:
-        link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": llm.engine.config.kv_cache_memory}
+        memory = llm.engine.kv_memory
+        link.kv_fd = memory.fd
+        link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
+                      "kv_memory_bytes": memory.size}
         mark_ready(state)
     if sock is None:
         sock = listen(opts.host, opts.port)

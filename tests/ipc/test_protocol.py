@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -316,3 +317,31 @@ def test_the_default_state_dir_is_the_runtime_dir_then_run_for_root_then_per_uid
     assert str(default_state_dir()) == "/run/preload"
     monkeypatch.setattr("os.getuid", lambda: 1234)
     assert str(default_state_dir()) == "/tmp/preload-1234"
+
+
+def test_a_message_larger_than_the_socket_buffer_arrives_whole_with_its_fds():
+    """(A keeper's handover socket has a timeout, so one sendmsg takes only what fits in
+    the buffer: the rest must follow, or the keeper waits for it forever.)"""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.settimeout(10)
+    theirs.settimeout(10)
+    big = {"v": PROTOCOL_VERSION, "manifest": ["tensor.%d" % i for i in range(300_000)]}  # ~3.5 MB
+    r, w = os.pipe()
+    got = {}
+
+    def receive():
+        got["msg"], got["fds"] = recv_with_fds(theirs)
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    try:
+        send_with_fds(ours, big, [r])
+        reader.join(10)
+        assert got["msg"] == big and len(got["fds"]) == 1
+        os.write(w, b"x")
+        assert os.read(got["fds"][0], 1) == b"x"  # the fd is the pipe we sent
+    finally:
+        for fd in [r, w, *got.get("fds", [])]:
+            os.close(fd)
+        ours.close()
+        theirs.close()

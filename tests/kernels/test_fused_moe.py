@@ -10,29 +10,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from preload.kernels.fp8 import quantize_block  # noqa: E402
+from kernel_cases import DEVICE, experts  # noqa: E402
+
 from preload.kernels.fused_moe import _launch, align_by_expert, fused_moe, stack_experts  # noqa: E402
+from preload.kernels.linear import dense  # noqa: E402
 from preload.kernels.moe import moe_experts, swiglu  # noqa: E402
-from preload.kernels.quant import Fp8Weight  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def experts(num: int, d: int, inner: int, quant: str, gen: torch.Generator) -> list[tuple]:
-    """Each expert's (gate, up, down), laid out one after another in one buffer as the
-    arena does, as views into it."""
-    mats = [[torch.randn(*shape, generator=gen) * 0.05 for shape in ((inner, d), (inner, d), (d, inner))]
-            for _ in range(num)]
-    if quant == "none":
-        flat = torch.cat([m.flatten() for e in mats for m in e]).to(torch.bfloat16).to(DEVICE)
-        views, at = [], 0
-        for e in mats:
-            views.append(tuple(flat[at + sum(m.numel() for m in e[:i]):][: e[i].numel()].view(e[i].shape) for i in range(3)))
-            at += sum(m.numel() for m in e)
-        return views
-    block = (128, 128) if quant == "fp8_block" else None
-    return [tuple(Fp8Weight(*[t.to(DEVICE) for t in quantize_block(m, block or m.shape)], block or m.shape)
-                  for m in e) for e in mats]
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8_block", "fp8_per_tensor"])
@@ -46,7 +28,7 @@ def test_fused_moe_equals_the_expert_loop(quant, tokens):
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     weights, ids = weights.to(DEVICE), ids.to(DEVICE)
     stacked = tuple(stack_experts([e[i] for e in ws]) for i in range(3))
-    in_float = [tuple(m.float() if isinstance(m, torch.Tensor) else m for m in e) for e in ws]  # the reference in fp32
+    in_float = [tuple(dense(m, torch.float32).float() for m in e) for e in ws]  # the reference: dequantized, fp32
     want = moe_experts(x.float(), ids, weights, [lambda v, e=e: swiglu(v, *e) for e in in_float])
     got = fused_moe(x, ids, weights, *stacked)
     assert got.shape == want.shape and got.dtype == x.dtype
@@ -85,22 +67,6 @@ def test_every_row_a_kernel_owns_is_written():
     h = torch.full((6, 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     _launch(x, gate, h, aligned, 6, 2, 16, w2=up)
     assert not h.isnan().any()
-
-
-@pytest.mark.parametrize("block", [(128, 128), None], ids=["fp8_block", "fp8_per_tensor"])
-@pytest.mark.parametrize("rows", [1, 70])
-def test_fp8_linear_equals_the_dequantized_matrix(block, rows):
-    from preload.kernels.fused_moe import fp8_linear
-
-    gen = torch.Generator().manual_seed(2)
-    w = torch.randn(192, 256, generator=gen) * 0.05
-    q, scale = quantize_block(w, block or w.shape)
-    weight = Fp8Weight(q.to(DEVICE), scale.to(DEVICE), block or w.shape)
-    x = torch.randn(2, rows, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
-    want = x.float() @ weight.dequantize(torch.float32).T
-    got = fp8_linear(x, weight)
-    assert got.shape == (2, rows, 192) and got.dtype == x.dtype
-    assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2), (got.float() - want).abs().max()
 
 
 def test_separate_allocations_are_copied_even_when_they_lie_evenly_apart():

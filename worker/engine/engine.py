@@ -8,11 +8,13 @@ runs in stages (faults.py): its failure ends that sequence alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.ipc.kv_memory import KvMemory
 from preload.options import EngineOptions
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
@@ -27,7 +29,7 @@ from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import CacheSource, Sequence
 from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter
 from preload.worker.model.deepseek import Transformer
-from preload.worker.model.kv_cache import AttentionMeta, LatentCache, bytes_per_token
+from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,16 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
-                 graphs: DecodeGraphs | None = None, fingerprint: str = "", draft: Transformer | None = None):
+                 graphs: DecodeGraphs | None = None, fingerprint: str = "", draft: Transformer | None = None,
+                 kv_memory: Callable[[int], KvMemory] | None = None):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
         the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
         `graphs` (captured or to be captured against this engine's cache), decode steps
         that fit them are replayed. `fingerprint`: the weights', part of every prefix-cache key.
-        `draft`: the draft model of --speculative-config's method draft_model."""
+        `draft`: the draft model of --speculative-config's method draft_model.
+        `kv_memory`: gives the memory the caches are cut from, for the bytes they need
+        (a supervised worker's, which outlives it: ipc/kv_memory.py); else the caches
+        are allocated as tensors."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         cfg = model.cfg
         dtype = model.embed.dtype
@@ -73,8 +79,16 @@ class Engine:
         # One block more than the manager hands out: the scratch block that a graph's padding rows use.
         self.scratch_block = num_blocks
         self.graphs = graphs
-        self.cache = LatentCache(layers, (num_blocks + 1) * config.block_size, cfg, dtype, device,
-                                 config.kv_cache_dtype, ptrs=graphs.cache_ptrs if graphs else None)
+        slots = (num_blocks + 1) * config.block_size
+        memory, self.kv_memory = None, None
+        if kv_memory is not None:
+            need = LatentCache.nbytes(layers, slots, cfg, dtype, config.kv_cache_dtype)
+            if draft is not None:
+                need += LatentCache.nbytes(draft.cfg.num_layers, slots, draft.cfg, draft.embed.dtype, config.kv_cache_dtype)
+            self.kv_memory = kv_memory(need)
+            memory = CacheMemory(self.kv_memory)
+        self.cache = LatentCache(layers, slots, cfg, dtype, device, config.kv_cache_dtype,
+                                 ptrs=graphs.cache_ptrs if graphs else None, memory=memory)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_num_active_seqs, config.long_prefill_token_threshold)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
@@ -82,8 +96,8 @@ class Engine:
         if mtp:
             self.drafter = Drafter(spec, self.blocks, device, model, self.cache)
         elif spec is not None:
-            draft_cache = LatentCache(draft.cfg.num_layers, (num_blocks + 1) * config.block_size, draft.cfg,
-                                      draft.embed.dtype, device, config.kv_cache_dtype)
+            draft_cache = LatentCache(draft.cfg.num_layers, slots, draft.cfg, draft.embed.dtype, device,
+                                      config.kv_cache_dtype, memory=memory)
             self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache)
         self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
         self.special_ids = tokenizer.special_ids

@@ -9,6 +9,7 @@ engine's block manager: a sequence's blocks are its block table).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,6 +54,29 @@ def kv_cache_share(cfg: ModelConfig, device: torch.device, weight_bytes: int, ma
     return budget
 
 
+class CacheMemory:
+    """Pools cut one after another from one flat buffer (ipc.kv_memory.KvMemory), each
+    at an aligned offset. A fresh buffer is zeroed already; one a worker of the same slot
+    used before holds stale, finite latents in slots no sequence of ours has written."""
+
+    ALIGN = 256
+
+    def __init__(self, memory):
+        self.memory, self.at = memory, 0
+
+    @classmethod
+    def aligned(cls, n: int) -> int:
+        return -(-n // cls.ALIGN) * cls.ALIGN
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if self.at + n > self.memory.size:
+            raise ValueError(f"KV memory of {self.memory.size} bytes is too small: {self.at + n} needed so far")
+        view = self.memory.tensor[self.at : self.at + n].view(dtype).view(shape)
+        self.at += self.aligned(n)
+        return view
+
+
 class LatentCache:
     """Per-layer slot pools. With kv_cache_dtype "fp8" each cached vector is stored in
     e4m3 with its own float32 scale (per token), and dequantized when read.
@@ -63,24 +87,38 @@ class LatentCache:
     addresses the graphs read."""
 
     def __init__(self, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, device,
-                 kv_cache_dtype: str = "auto", ptrs: torch.Tensor | None = None):
-        if kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+                 kv_cache_dtype: str = "auto", ptrs: torch.Tensor | None = None, memory: CacheMemory | None = None):
+        """`memory`: where the pools are cut from (a supervised worker's KV memory, which
+        its slot's next worker maps again); else each pool is its own zeroed tensor."""
         self.dtype, self.fp8 = dtype, kv_cache_dtype == "fp8"
-        store = FP8 if self.fp8 else dtype
-
-        def pools(width: int, dtype: torch.dtype) -> list[torch.Tensor]:
-            # One tensor per layer, so that training can write them under autograd.
-            return [torch.zeros(num_slots, width, dtype=dtype, device=device) for _ in range(num_layers)]
-
-        self.c_kv, self.k_pe = pools(cfg.kv_lora_rank, store), pools(cfg.qk_rope_head_dim, store)
+        shapes = self.pool_shapes(num_layers, num_slots, cfg, dtype, kv_cache_dtype)
+        # One tensor per layer, so that training can write them under autograd.
+        made = [[memory.take(shape, dt) if memory is not None else torch.zeros(shape, dtype=dt, device=device)
+                 for _ in range(num_layers)] for shape, dt in shapes]
         none = [None] * num_layers
-        self.c_kv_scale, self.k_pe_scale = (pools(1, torch.float32), pools(1, torch.float32)) if self.fp8 else (none, none)
+        self.c_kv, self.k_pe, self.c_kv_scale, self.k_pe_scale = made if self.fp8 else (*made, none, none)
         self.ptrs = None
         if torch.device(device).type == "cuda":
             self.ptrs = ptrs if ptrs is not None else torch.empty(num_layers, 4, dtype=torch.long, device=device)
             addresses = [Pools(*layer).addresses() for layer in zip(self.c_kv, self.k_pe, self.c_kv_scale, self.k_pe_scale)]
             self.ptrs.copy_(torch.tensor(addresses, dtype=torch.long))
+
+    @staticmethod
+    def pool_shapes(num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype,
+                    kv_cache_dtype: str) -> list[tuple[tuple[int, int], torch.dtype]]:
+        """(shape, dtype) of each kind of pool, one of each per layer: c_kv, k_pe, and
+        with an fp8 cache their scales."""
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+        store = FP8 if kv_cache_dtype == "fp8" else dtype
+        shapes = [((num_slots, cfg.kv_lora_rank), store), ((num_slots, cfg.qk_rope_head_dim), store)]
+        return shapes + ([((num_slots, 1), torch.float32)] * 2 if kv_cache_dtype == "fp8" else [])
+
+    @classmethod
+    def nbytes(cls, num_layers: int, num_slots: int, cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+        """Bytes of CacheMemory the pools take, alignment included."""
+        shapes = cls.pool_shapes(num_layers, num_slots, cfg, dtype, kv_cache_dtype)
+        return num_layers * sum(CacheMemory.aligned(math.prod(shape) * dt.itemsize) for shape, dt in shapes)
 
     def pools(self, layer: int) -> Pools:
         """One layer's pools, as the attention kernels take them."""

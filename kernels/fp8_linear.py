@@ -1,0 +1,129 @@
+"""The fp8 linear layer on the GPU: x @ W^T for an e4m3 matrix with its scales (128x128
+blocks, or one for the tensor), dequantized in registers, never in memory. The
+reference is `linear.linear` off the GPU (dequantize the matrix, then multiply).
+
+A decode step multiplies a few rows by each dense matrix of the model (attention's
+projections, the shared experts, the first layers' MLPs): for few rows (`GEMV_ROWS`)
+the product is split over K as well (split_k.py), in one launch. With a second matrix
+(`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
+projections, in that same launch. More rows go through the grouped GEMM of fused_moe.py
+with one expert.
+
+Within a K tile of 128 columns a block's scale is one number per output column, so it
+multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from preload.kernels.fused_moe import _launch
+from preload.kernels.quant import Fp8Weight
+from preload.kernels.split_k import combine_splits, counters, partials, slices
+from preload.kernels.triton_dot import dot_dtype
+
+GEMV_ROWS = 16  # rows up to which the split-K kernel runs (its tile has 16 rows)
+BLOCK_K = 128  # one scale block's width: a K tile never straddles two scales
+
+
+@triton.jit
+def _partial(x_ptr, q_ptr, s_ptr, rows, cols, T, N, K, first, end, stride_xm, stride_qn, stride_qk, stride_sn,
+             stride_sk, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over K tiles first..end-1 of x[rows] . (Q[cols] * scale), in float32."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(first, end):
+        k = kb * BLOCK_K + ks
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < T) & (k[None, :] < K), other=0.0)
+        w = tl.load(q_ptr + cols[None, :] * stride_qn + k[:, None] * stride_qk,
+                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
+        scale = tl.load(s_ptr + (cols // SCALE_N) * stride_sn + (kb * BLOCK_K // SCALE_K) * stride_sk, mask=cols < N, other=0.0)
+        acc += tl.dot(a.to(DOT), w.to(DOT)) * scale[None, :]
+    return acc
+
+
+@triton.jit
+def _split_k_gemv(
+    x_ptr, q_ptr, s_ptr, q2_ptr, s2_ptr, part_ptr, counter_ptr, out_ptr,
+    T, N, K, tiles_per_split,
+    stride_xm, stride_qn, stride_qk, stride_sn, stride_sk, stride_ps, stride_pm, stride_om,
+    SPLITS: tl.constexpr, SWIGLU: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[m, n] = x[m] . W[n] (SWIGLU: silu(x[m] . W[n]) * (x[m] . W2[n])) over this
+    program's slice of K, combined with the other slices (split_k.combine_splits)."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = split * tiles_per_split
+    end = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    acc = _partial(x_ptr, q_ptr, s_ptr, rows, cols, T, N, K, first, end, stride_xm, stride_qn, stride_qk, stride_sn,
+                   stride_sk, SCALE_N, SCALE_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SWIGLU:
+        acc2 = _partial(x_ptr, q2_ptr, s2_ptr, rows, cols, T, N, K, first, end, stride_xm, stride_qn, stride_qk,
+                        stride_sn, stride_sk, SCALE_N, SCALE_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    mask = (rows[:, None] < T) & (cols[None, :] < N)
+    out, last = combine_splits(acc, acc2 if SWIGLU else acc, part_ptr, rows[:, None] * stride_pm + cols[None, :], mask,
+                               counter_ptr + pid_n, split, stride_ps, SPLITS, SWIGLU)
+    if last:
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, block_n: int = 32,
+                 splits: int | None = None) -> torch.Tensor:
+    """rows [t <= GEMV_ROWS, K] @ W^T (with w2: silu(rows W^T) * (rows W2^T)) in the rows'
+    dtype. `splits`: slices of the reduction (default: enough blocks to fill the GPU
+    twice over, at least one K tile each). Blocks of 32 columns were the fastest at
+    V2-Lite's shapes on an H200 (scripts/sweep_kernels.py --dense)."""
+    t, k = rows.shape
+    n = w.q.shape[0]
+    blocks_n = triton.cdiv(n, block_n)
+    splits, per = slices(triton.cdiv(k, BLOCK_K), blocks_n, rows.device, splits)
+    per_tensor = w.scale_inv.shape == (1, 1)
+    scale_n, scale_k = (1 << 30, 1 << 30) if per_tensor else w.block
+    if scale_k % BLOCK_K:
+        raise ValueError(f"fp8 block scales of {scale_k} columns: K tiles of {BLOCK_K} must divide them")
+    out = torch.empty(t, n, dtype=rows.dtype, device=rows.device)
+    part = partials(splits, w2 is not None, (t, n), rows.device)
+    second = w2 if w2 is not None else w
+    _split_k_gemv[(blocks_n, splits)](
+        rows, w.q, w.scale_inv, second.q, second.scale_inv, part, counters(rows.device), out, t, n, k, per,
+        rows.stride(0), w.q.stride(0), w.q.stride(1), w.scale_inv.stride(0), w.scale_inv.stride(1),
+        part.stride(0), part.stride(1), out.stride(0),
+        SPLITS=splits, SWIGLU=w2 is not None, SCALE_N=scale_n, SCALE_K=scale_k, DOT=dot_dtype(rows.dtype),
+        BLOCK_M=GEMV_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4,
+    )
+    return out
+
+
+def fp8_swiglu(x: torch.Tensor, gate: Fp8Weight, up: Fp8Weight) -> torch.Tensor | None:
+    """silu(x G^T) * (x U^T) in one launch for a few rows; None for more (the caller
+    then takes the two projections one by one)."""
+    rows = x.reshape(-1, x.shape[-1])
+    same_form = (gate.q.shape, gate.q.stride(), gate.scale_inv.stride(), gate.block) == \
+        (up.q.shape, up.q.stride(), up.scale_inv.stride(), up.block)
+    if rows.shape[0] > GEMV_ROWS or not same_form:
+        return None
+    return split_k_gemv(rows.contiguous(), gate, up).view(*x.shape[:-1], gate.q.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows, the grouped
+    GEMM with one expert and every row its own pair for more."""
+    shape, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    t, n = rows.shape[0], w.q.shape[0]
+    if t <= GEMV_ROWS:
+        return split_k_gemv(rows, w).view(*shape, n)
+    block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
+    capacity = triton.cdiv(t, block_m) * block_m
+    pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
+    # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
+    aligned = (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device),
+               torch.full((1,), capacity, dtype=torch.int32, device=x.device))
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    _launch(rows, Fp8Weight(w.q[None], w.scale_inv[None], w.block), out, aligned, t, 1, block_m, rows_per_pair=True)
+    return out.view(*shape, n)
