@@ -3,8 +3,10 @@ or DeepSeek's native FP8 (e4m3 weights with `weight_scale_inv` block scales)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import mmap
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -70,6 +72,22 @@ def header_problem(path: Path) -> str | None:
     return None
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+MADV_POPULATE_READ = 22  # Linux 5.14; older kernels refuse it (EINVAL) and pages fault in one at a time
+
+
+def populate(tensor: torch.Tensor) -> None:
+    """Map in the pages of a tensor that views a file mapping, in one call. Touched page by
+    page instead, a warm 1.2 GB checkpoint costs 300k page faults: 0.57 s for its 400 MB
+    embedding on the 2-core machine against 0.03 s populated, more than hashing it."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_READ)  # (advice: failure is harmless)
+
+
 class CheckpointReader:
     """Name -> file index over a checkpoint's safetensors files, read one tensor at a time (mmap)."""
 
@@ -90,13 +108,17 @@ class CheckpointReader:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor, a view of the file's mapping, its pages mapped in at once (populate)."""
         if name not in self.files:
             raise CheckpointError(f"{self.model_dir}: missing tensor {name}")
         path, handle = self.files[name]
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+        populate(tensor)
+        return tensor
+
 
     def close(self) -> None:
         self._stack.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
 import warnings
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from preload.ipc.layout import ArenaError, TensorEntry, check_planned
 from preload.ipc.manifest import ArenaInfo
 
+ALLOCATE_CHUNK = 64 << 20
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -34,6 +36,21 @@ class MemfdArena:
         except OSError:
             os.close(self.fd)
             raise
+        # Allocating the memfd's pages (the kernel zeroes each) is about half of writing
+        # them: done ahead, in order, by a thread of its own, it overlaps with the reads
+        # and hashes of the tensors before; a write that gets there first allocates its pages.
+        self._stop = threading.Event()
+        self._allocating = threading.Thread(target=self._allocate, name="arena-allocate", daemon=True)
+        self._allocating.start()
+
+    def _allocate(self) -> None:
+        for at in range(0, self.size, ALLOCATE_CHUNK):
+            if self._stop.is_set():
+                return
+            try:
+                os.posix_fallocate(self.fd, at, min(ALLOCATE_CHUNK, self.size - at))
+            except OSError:
+                return  # out of memory: the writes will say so
 
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         check_planned(entry, tensor)
@@ -44,6 +61,7 @@ class MemfdArena:
             done += os.pwrite(self.fd, view[done:], entry.offset + done)
 
     def seal(self) -> None:
+        self._allocating.join()
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
 
     def info(self) -> ArenaInfo:
@@ -54,6 +72,8 @@ class MemfdArena:
         return [self.fd]
 
     def close(self) -> None:
+        self._stop.set()
+        self._allocating.join()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
