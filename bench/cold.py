@@ -94,6 +94,7 @@ class StartRun:
     daemon_spawned_s: float | None = None  # launch -> daemon process seen (launcher's own start)
     port_open_s: float | None = None  # launch -> health port accepting (daemon's imports done)
     load_seconds: float = 0.0  # the daemon's own figure (/status)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # the load's stages (/status; loader.Progress)
     overhead_s: float = 0.0  # start_to_ready - load_seconds: interpreters, imports, hand-off
     stop_s: float = 0.0
     arena_bytes: int = 0
@@ -148,6 +149,7 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
             thread.join()
             status = d.status()
             run.load_seconds = float(status["load_seconds"])
+            run.stage_seconds = status["progress"].get("stage_seconds", {})
             run.overhead_s = run.start_to_ready_s - run.load_seconds
             run.arena_bytes = int(sum(status["bytes_per_device"].values()))
             run.device = status["device"]
@@ -271,6 +273,7 @@ def summarize_starts(runs: list[StartRun], warm_s: float, first_s: float) -> dic
         "ratio_ready_over_read_warm": ready / warm_s,
         "ratio_ready_over_read_first": ready / first_s,
         "ratio_load_over_read_warm": load / warm_s,
+        "stage_seconds": {k: statistics.median(r.stage_seconds.get(k, 0.0) for r in runs) for k in runs[-1].stage_seconds},
     }
 
 
@@ -332,6 +335,11 @@ def format_table(result: dict) -> str:
                           f"{s['arena_bytes'] / MiB:.1f}", f"{s['daemon_hwm'] / MiB:.0f}",
                           f"{s['load_growth_anon'] / MiB:.0f}", f"{s['load_growth_file'] / MiB:.0f}",
                           f"{s['stop_s']['p50']:.3f}"), widths))
+    for quant, s in result["start"].items():
+        stages = s.get("stage_seconds") or {}
+        if stages:
+            lines.append(f"{quant + ' load stages':15}  " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
+                         + " (seconds summed over the loader's threads)")
     t = result.get("transformers")
     if t:
         lines.append(f"{'transformers':15}  fresh process {t['process_s']['p50']:.3f} s"

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,14 +36,33 @@ class LoadError(RuntimeError):
     pass
 
 
+STAGES = ("plan", "read", "hash", "upload", "check", "quantize", "write", "publish")
+
+
 @dataclass
 class Progress:
+    """A load's progress, and where its time went: `stages` holds seconds per stage,
+    summed over the loader's threads (read, hash, upload, check, quantize and write run
+    in several at once, so they add up to more than the wall clock; plan and publish are
+    the wall clock's own)."""
+
     total_bytes: int = 0
     done_bytes: int = 0
     tensors_total: int = 0
     tensors_done: int = 0
     started: float = field(default_factory=time.monotonic)
     seconds: float | None = None  # set once loaded
+    stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextmanager
+    def timed(self, stage: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.stages[stage] += time.perf_counter() - t
 
     def as_dict(self) -> dict:
         return {
@@ -51,6 +71,7 @@ class Progress:
             "tensors_total": self.tensors_total,
             "tensors_done": self.tensors_done,
             "fraction": self.done_bytes / self.total_bytes if self.total_bytes else 0.0,
+            "stage_seconds": dict(self.stages),
         }
 
 
@@ -103,8 +124,9 @@ def load(
     progress: Progress,
     on_progress: Callable[[Progress], None] = lambda p: None,
 ) -> Loaded:
-    cfg = ModelConfig.from_dir(model_dir)
-    entries, size, files = plan(cfg, model_dir, quant, dtype)
+    with progress.timed("plan"):
+        cfg = ModelConfig.from_dir(model_dir)
+        entries, size, files = plan(cfg, model_dir, quant, dtype)
     by_name = {e.name: e for e in entries}
     progress.total_bytes, progress.tensors_total = size, len(entries)
     check_memory(size, device)
@@ -113,15 +135,20 @@ def load(
 
     def store(src: SourceTensor) -> None:
         # Hashing, quantizing and writing release the GIL: several tensors go at once.
-        digest = tensor_digest(src.tensor, src.scale_inv)
-        scale = None if src.scale_inv is None else src.scale_inv.to(device)
-        tensor = src.tensor.to(device)
-        for what, t in ((src.name, tensor), (f"{src.name} scales", scale)):
-            if t is not None and not finite(t):  # (on the device: a pass at its bandwidth)
-                raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
-        stored = quantize_weight(src.name, tensor, scale, cfg.fp8_block, quant, dtype)
-        for name, tensor in stored.items():
-            arena.write(by_name[name], tensor)
+        with progress.timed("hash"):
+            digest = tensor_digest(src.tensor, src.scale_inv)
+        with progress.timed("upload"):
+            scale = None if src.scale_inv is None else src.scale_inv.to(device)
+            tensor = src.tensor.to(device)
+        with progress.timed("check"):
+            for what, t in ((src.name, tensor), (f"{src.name} scales", scale)):
+                if t is not None and not finite(t):  # (on the device: a pass at its bandwidth)
+                    raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
+        with progress.timed("quantize"):
+            stored = quantize_weight(src.name, tensor, scale, cfg.fp8_block, quant, dtype)
+        with progress.timed("write"):
+            for name, tensor in stored.items():
+                arena.write(by_name[name], tensor)
         with lock:
             digests[src.name], sources[src.name] = digest, src.path
             progress.done_bytes += sum(by_name[name].nbytes for name in stored)
@@ -132,7 +159,12 @@ def load(
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
             pending: set[Future] = set()
-            for src in iter_checkpoint(model_dir, cfg):  # reads stay in order, one file region at a time
+            sources_in_order = iter_checkpoint(model_dir, cfg)  # reads stay in order, one file region at a time
+            while True:
+                with progress.timed("read"):  # (the pages mapped in: reader.populate)
+                    src = next(sources_in_order, None)
+                if src is None:
+                    break
                 pending.add(pool.submit(store, src))
                 if len(pending) >= 2 * threads:  # bounds host memory to a few tensors in flight
                     done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -140,10 +172,11 @@ def load(
                         f.result()
             for f in pending:
                 f.result()
-        for name, data in files.items():
-            arena.write(by_name[FILE_PREFIX + name], torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            progress.tensors_done += 1
-        arena.seal()
+        with progress.timed("publish"):  # the config and tokenizer files in, the seals on
+            for name, data in files.items():
+                arena.write(by_name[FILE_PREFIX + name], torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                progress.tensors_done += 1
+            arena.seal()
     except BaseException:
         arena.close()  # the last fd: the memory is gone with it
         raise
