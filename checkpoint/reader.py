@@ -3,10 +3,8 @@ or DeepSeek's native FP8 (e4m3 weights with `weight_scale_inv` block scales)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import mmap
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.pages import populate
 from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 from preload.kernels.fp8 import FP8
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
@@ -72,22 +71,6 @@ def header_problem(path: Path) -> str | None:
     return None
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-MADV_POPULATE_READ = 22  # Linux 5.14; older kernels refuse it (EINVAL) and pages fault in one at a time
-
-
-def populate(tensor: torch.Tensor) -> None:
-    """Map in the pages of a tensor that views a file mapping, in one call. Touched page by
-    page instead, a warm 1.2 GB checkpoint costs 300k page faults: 0.57 s for its 400 MB
-    embedding on the 2-core machine against 0.03 s populated, more than hashing it."""
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
-        return
-    page = mmap.PAGESIZE
-    start = tensor.data_ptr() // page * page
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_READ)  # (advice: failure is harmless)
-
-
 class CheckpointReader:
     """Name -> file index over a checkpoint's safetensors files, read one tensor at a time (mmap)."""
 
@@ -116,7 +99,8 @@ class CheckpointReader:
             tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: tensor {name}: {e}") from None
-        populate(tensor)
+        if tensor.numel():
+            populate(tensor.data_ptr(), tensor.numel() * tensor.element_size())  # (pages.py: faults cost more than hashing)
         return tensor
 
 
