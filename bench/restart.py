@@ -264,7 +264,8 @@ def _median(values) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, device: str, progress) -> dict:
+def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, device: str, progress,
+                kinds: tuple[str, ...] = KINDS) -> dict:
     res: dict = {"label": label, "path": str(model), "weight_bytes": weight_bytes(model), "phase_s": {}}
     runs: dict[str, list[dict]] = {}
     colds, status_errors = [], 0
@@ -282,32 +283,36 @@ def bench_model(label: str, model: Path, restarts: int, cold_repeat: int, device
             colds.append(cold)
             if i == cold_repeat - 1:  # the last one stays up for two kinds and the stages
                 res["arena_bytes"] = int(sum(d.status()["bytes_per_device"].values()))
-                series(d, "sigkill")
-                series(d, "graceful")
+                for kind in ("sigkill", "graceful"):
+                    if kind in kinds:
+                        series(d, kind)
                 progress(f"{label}: a worker's start, stage by stage, in a fresh interpreter")
                 res["worker_stages"] = worker_stages(d)
             status_errors += d.status_errors
     res["cold"] = {"runs": colds, "exit_s": quantiles(c["exit_s"] for c in colds),
                    "api_health_s": quantiles(c["api_health_s"] for c in colds)}
     for kind, key in (("sigkill-spare", "cold_spare"), ("sigkill-no-zygote", "cold_no_zygote")):
+        if kind not in kinds:
+            continue
         progress(f"{label}: {' '.join(map(str, DAEMON_FLAGS[kind]))} daemon")
         with timed_start(model, device, kind) as (d, cold):
             res[key] = cold
             series(d, kind)
             status_errors += d.status_errors
     res["status_errors"] = status_errors
-    res["restart"] = {kind: summarize(runs[kind], res["cold"]) for kind in KINDS}
+    res["restart"] = {kind: summarize(runs[kind], res["cold"]) for kind in KINDS if kind in kinds}
     return res
 
 
 def run_restart(models: list[tuple[str, Path]], restarts: int = 10, cold_repeat: int = 3, device: str = "auto",
-                progress=lambda msg: None) -> dict:
+                progress=lambda msg: None, kinds: tuple[str, ...] = KINDS) -> dict:
+    """`kinds`: of KINDS, those to run (the cold starts and a worker's stages are always measured)."""
     t0 = time.perf_counter()
     result = begin("restart", device) | {
-        "restarts": restarts, "cold_repeat": cold_repeat, "kinds": list(KINDS),
+        "restarts": restarts, "cold_repeat": cold_repeat, "kinds": [k for k in KINDS if k in kinds],
         "probe": {"timeout_s": PROBE_TIMEOUT, "interval_s": PROBE_INTERVAL}, "models": []}
     for label, model in models:
-        result["models"].append(bench_model(label, Path(model).absolute(), restarts, cold_repeat, device, progress))
+        result["models"].append(bench_model(label, Path(model).absolute(), restarts, cold_repeat, device, progress, kinds))
     return finish(result, t0)
 
 
@@ -333,7 +338,8 @@ def format_table(result: dict) -> str:
         if c["api_health_s"]:
             lines.append(row(("", "", "cold: API 200", *spread(c["api_health_s"])), widths))
         for key, name in (("cold_spare", "cold, 1 spare"), ("cold_no_zygote", "cold, no zygote")):
-            lines.append(row(("", "", name, sec(r[key]["exit_s"])), widths))
+            if key in r:
+                lines.append(row(("", "", name, sec(r[key]["exit_s"])), widths))
         for kind, k in r["restart"].items():
             n, api = k["seconds"]["n"], k["ratio_p50_over_cold_api_health"]
             lines.append(row(("", "", kind, *spread(k["seconds"]),

@@ -209,17 +209,22 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
 @bench.command("restart")
 @click.option("--restarts", type=click.IntRange(1), default=10, show_default=True, help="Restarts of each kind.")
 @click.option("--cold-repeat", type=click.IntRange(1), default=3, show_default=True, help="Cold starts to time.")
+@click.option("--kinds", default="sigkill-spare,sigkill,graceful,sigkill-no-zygote", show_default=True,
+              help="Comma-separated kinds of restart to run.")
 @model_sizes
 @device_option
 @json_option("restart")
-def restart(restarts, cold_repeat, small, large, no_large, no_small, device, json_path):
+def restart(restarts, cold_repeat, kinds, small, large, no_large, no_small, device, json_path):
     """Restart: worker SIGKILL (a warm spare takes over, a zygote fork, no zygote) or `preload restart`
     to /health 200 from the new worker, vs cold start."""
-    from preload.bench.restart import format_table, run_restart
+    from preload.bench.restart import KINDS, format_table, run_restart
 
+    chosen = tuple(k.strip() for k in kinds.split(",") if k.strip())
+    if not chosen or set(chosen) - set(KINDS):
+        raise click.BadParameter(f"choose from {', '.join(KINDS)}", param_hint="--kinds")
     with chosen_models(small, large, no_small, no_large) as models:
         try:
-            result = run_restart(models, restarts, cold_repeat, device, _progress)
+            result = run_restart(models, restarts, cold_repeat, device, _progress, chosen)
         except (OSError, RuntimeError, TimeoutError) as e:
             raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)

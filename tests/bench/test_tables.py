@@ -199,3 +199,13 @@ def test_prefix_table_from_a_recorded_run():
     assert f"{100 * result['runs']['on']['chat_hit_rate']:.1f}%" in on
     off = next(ln for ln in table.splitlines() if ln.split()[:1] == ["off"])
     assert off.rstrip().endswith("-")  # nothing is looked up without the cache
+
+
+def test_restart_table_of_a_run_of_some_kinds_only():
+    """(`bench restart --kinds sigkill-spare`: no fork, graceful or no-zygote daemon figures.)"""
+    result = recorded("restart")
+    for m in result["models"]:
+        m.pop("cold_no_zygote")
+        m["restart"] = {"sigkill-spare": m["restart"]["sigkill-spare"]}
+    table = restart.format_table(result)
+    assert "sigkill-spare" in table and "graceful" not in table and "no zygote" not in table
