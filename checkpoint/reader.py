@@ -99,10 +99,9 @@ class CheckpointReader:
             tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{path}: tensor {name}: {e}") from None
-        if tensor.numel():
-            populate(tensor.data_ptr(), tensor.numel() * tensor.element_size())  # (pages.py: faults cost more than hashing)
+        if tensor.nbytes:
+            populate(tensor.data_ptr(), tensor.nbytes)  # (pages.py: faults cost more than hashing)
         return tensor
-
 
     def close(self) -> None:
         self._stack.close()

@@ -221,7 +221,10 @@ class Supervisor:
             close_fds(fds)
             return  # it is gone already
         if why is None:
-            self.slots[claim["slot"]].keep_kv(fds, claim)
+            try:
+                self.slots[claim["slot"]].keep_kv(fds, claim)
+            except (KeyError, TypeError, ValueError) as e:  # (its fds are closed: the slot's next worker makes new memory)
+                log.warning("pid %d sent its KV memory without its sizes (%s); not kept", claim["pid"], e)
         else:
             close_fds(fds)
         worker = Worker(claim["pid"], conn, pidfd, claim["slot"] if why is None else None, adopted=True, told=True)

@@ -99,8 +99,7 @@ class Slot:
             close_fds(fds)
             raise
         close_fds(fds[1:])
-        if self.kv is not None and self.kv[0] != kv[0]:
-            os.close(self.kv[0])
+        self.drop_kv()
         self.kv = kv
 
     def drop_kv(self) -> None:

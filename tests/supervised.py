@@ -125,3 +125,15 @@ def processes_naming(state_dir: Path) -> list[psutil.Process]:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def kill_daemon(d) -> None:
+    os.kill(d.pid, signal.SIGKILL)
+    assert wait_for(lambda: dead(d.pid), timeout=10)

@@ -138,6 +138,11 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
                             timeout_graceful_shutdown=5, lifespan="on")
     config.load()  # before the slot: a spare's take-over is then only what follows
     server = DrainingServer(config, state, engine, w.drain_timeout, shared_socket=link is not None)
+    # The model's objects live as long as the worker: the collector need not walk them again
+    # (a full collection of them, landing inside a decode step, stalls it). Before the slot:
+    # a spare's take-over then does none of this.
+    gc.collect()
+    gc.freeze()
     if link is not None:
         llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
         link.report("warm")
@@ -152,10 +157,6 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     budget = offer.kv_cache_bytes if offer else kv_cache_bytes(opts, llm)
     llm.start_engine(replace(w.engine, kv_cache_memory=budget), kv_memory=slot_memory(offer, llm.device) if link else None)
     engine.use(llm.engine)
-    # What exists now lives as long as the worker: the collector need not walk the model's
-    # objects again (a full collection of them, landing inside a decode step, stalls it).
-    gc.collect()
-    gc.freeze()
     inherited = offer is not None and not llm.engine.kv_memory.fresh
     log.info("KV cache: %.2f GiB, %d tokens, %s in %.3f s", budget / (1 << 30), llm.engine.max_model_len,
              "the slot's, mapped again" if inherited else "made", time.monotonic() - t)

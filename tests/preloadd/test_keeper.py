@@ -7,23 +7,13 @@ orphans instead. A clean stop leaves nothing."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import stat
 import threading
 
 import httpx
-import psutil
 from daemons import arena_inodes, daemon_processes, free_port, running_daemon, sockets_in, wait_for
-from supervised import PROMPT, api, logs, ready_workers, start_args
-
-
-def dead(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+from supervised import PROMPT, api, dead, kill_daemon, logs, ready_workers, start_args
 
 
 class Load:
@@ -58,11 +48,6 @@ class Load:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def kill_daemon(d) -> None:
-    os.kill(d.pid, signal.SIGKILL)
-    assert wait_for(lambda: dead(d.pid), timeout=10)
 
 
 def test_a_new_daemon_takes_back_the_weights_the_port_and_the_workers(tiny_checkpoint, tmp_path):

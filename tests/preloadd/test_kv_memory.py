@@ -6,12 +6,8 @@ a KV cache. The daemon holds one per slot, never more; answers stay what they we
 
 from __future__ import annotations
 
-import os
-import signal
-
-import psutil
 from daemons import KV_LABEL, arena_inodes, free_port, preload, running_daemon, wait_for
-from supervised import REPLACE_TIMEOUT, complete, kill, logs, ready_workers, start_args, wait_replaced
+from supervised import REPLACE_TIMEOUT, complete, kill, kill_daemon, logs, ready_workers, start_args, wait_replaced
 
 
 def kv_of(pid: int) -> set[tuple[int, int]]:
@@ -54,8 +50,7 @@ def test_an_orphan_hands_its_kv_memory_to_the_daemon_that_adopts_it(tiny_checkpo
         [w] = wait_for(lambda: ready_workers(first), timeout=REPLACE_TIMEOUT)
         kv = kv_of(w["pid"])
         greedy = complete(port, max_tokens=12)["choices"][0]["text"]
-        os.kill(first.pid, signal.SIGKILL)
-        assert wait_for(lambda: not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == "zombie", 10)
+        kill_daemon(first)
         with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as second:
             [adopted] = wait_for(lambda: ready_workers(second), timeout=REPLACE_TIMEOUT)
             assert adopted["pid"] == w["pid"], logs(state_dir)
