@@ -92,6 +92,10 @@ class EngineOptions:
         " waiting, so that short requests behind it are not starved (0: off).", bounds=(0, None))
     enforce_eager: bool = option(
         False, "Run every step eagerly: no CUDA graphs captured at start (a faster start, slower decoding).")
+    async_scheduling: bool = option(
+        True, "Launch each decode step on the GPU before the previous step's tokens reach the host, so that the host's"
+        " work between steps overlaps the GPU's; a request ended by a stop token or string costs one step computed for"
+        " nothing (no effect on a CPU).", flag="--async-scheduling/--no-async-scheduling")
     logits_processors: tuple[str, ...] = option(
         (), "A logits processor applied to every request: module:Class, or module:Class={json args} (repeatable;"
         " see worker/engine/logits_processors.py).")

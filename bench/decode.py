@@ -111,29 +111,45 @@ def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: i
             "output_tok_s": batch * (output_len - 1) / decode_s}
 
 
-def profile_steps(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> dict:
+def profile_steps(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 40) -> dict:
     """Where a decode step's GPU time goes: `steps` decode steps of `batch` sequences under
     torch.profiler; the kernels that take most of it, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    prefill(engine, queue(engine, batch, context, steps + 2, vocab, seed=1))  # not what is profiled
+    prefill(engine, queue(engine, batch, context, steps + 32, vocab, seed=1))  # (the prefill: not what is profiled)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / steps
-    while engine.has_work():
-        engine.step()
+    host = host_profile(engine)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / steps
     kernels.sort(key=lambda e: -e.self_device_time_total)
     return {"batch": batch, "context": context, "wall_ms": 1000 * wall, "gpu_busy_ms": busy / 1000,
-            "replay_ms": replay_ms(llm, batch),
+            "replay_ms": replay_ms(llm, batch), "launch_us": launch_us(llm, batch), "host_top": host,
             "launches_per_step": sum(e.count for e in kernels) / steps,
             "top": [{"kernel": e.key[:90], "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
                     for e in kernels[:top]]}
+
+
+def host_profile(engine, top: int = 15) -> list[dict]:
+    """Where the host's share of the remaining steps goes (cProfile; a function's own time,
+    per step, a wait for the GPU counted where it happens): the top `top` functions."""
+    import cProfile
+    import pstats
+
+    steps = 0
+    with cProfile.Profile() as prof:
+        while engine.has_work():
+            engine.step()
+            steps += 1
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}"[-90:], "us_per_step": 1e6 * own / max(steps, 1),
+             "calls_per_step": calls / max(steps, 1)} for (f, line, name), (calls, _, own, _, _) in rows]
 
 
 def replay_ms(llm, batch: int, times: int = 50) -> float | None:
@@ -151,6 +167,27 @@ def replay_ms(llm, batch: int, times: int = 50) -> float | None:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / times
+
+
+def launch_us(llm, batch: int) -> float | None:
+    """The host's time in a decode graph's launch with the GPU idle: time the GPU waits
+    at every step for the host to hand it the graph (unless steps are launched ahead)."""
+    graphs = llm.graphs
+    if graphs is None or not graphs.graphs:
+        return None
+    return host_launch_us(graphs.graphs[next(s for s in graphs.sizes if s >= batch)])
+
+
+def host_launch_us(graph: torch.cuda.CUDAGraph, times: int = 30) -> float:
+    """The median of `times` replays' host time, each with the GPU idle (microseconds)."""
+    spent = []
+    for _ in range(times):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        spent.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(spent)[times // 2]
 
 
 def run_transformers(model: Path, device: str, batch: int, context: int, output_len: int, vocab: int) -> dict:
@@ -176,13 +213,14 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
 
 def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[int, int]], output_len: int,
                transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
-               profile: bool = False, speculative: tuple[int, ...] = (0,)) -> dict:
+               profile: bool = False, speculative: tuple[int, ...] = (0,), async_scheduling: bool = True) -> dict:
     from preload.worker.llm import LLM
 
     t0 = time.perf_counter()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": [],
-                                        "cuda_graphs": dev.type == "cuda" and not enforce_eager}
+                                        "cuda_graphs": dev.type == "cuda" and not enforce_eager,
+                                        "async_scheduling": dev.type == "cuda" and async_scheduling}
     if dev.type == "cuda":
         result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
     bandwidth = copy_bandwidth(dev)
@@ -195,7 +233,8 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
         kv = tokens * bytes_per_token(cfg, cfg.num_layers + 1, torch.bfloat16)  # (+1: an MTP drafter's layer)
         spec = f'{{"method": "mtp", "num_speculative_tokens": {k}}}' if k else None
         engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager,
-                               speculative_config=spec, enable_prefix_caching=False)  # (random prompts: no hits anyway)
+                               async_scheduling=async_scheduling, speculative_config=spec,
+                               enable_prefix_caching=False)  # (random prompts: no hits anyway)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
         label = f"{quant}, {k} MTP drafts" if k else quant
@@ -234,7 +273,8 @@ def format_table(result: dict) -> str:
     lines = [f"preload bench decode: {result['model']}, {result['output_len']} output tokens, on "
              f"{m.get('cuda_device') or m.get('cpu_model')}; copy bandwidth "
              f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
-             f" {result['wall_s']:.0f} s", ""]
+             + (f" steps launched ahead {'on' if result['async_scheduling'] else 'off'};" if "async_scheduling" in result else "")
+             + f" {result['wall_s']:.0f} s", ""]
     head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "prefill tok/s", "prefill s")
     widths = (14, 6, 8, 6, 10, 8, 6, 8, 13, 9)
     lines.append(row(head, widths))
@@ -249,6 +289,10 @@ def format_table(result: dict) -> str:
     for p in result.get("profiles", []):
         lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"
                       f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"
-                      + (f", graph replay alone {p['replay_ms']:.2f} ms" if p.get("replay_ms") else "")]
+                      + (f", graph replay alone {p['replay_ms']:.2f} ms" if p.get("replay_ms") else "")
+                      + (f", its launch on the host {p['launch_us']:.0f} us" if p.get("launch_us") else "")]
         lines += [f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['kernel']}" for k in p["top"]]
+        if p.get("host_top"):
+            lines += ["  host (own time per step, cProfile):"]
+            lines += [f"  {k['us_per_step']:9.1f} us {k['calls_per_step']:6.1f}x  {k['function']}" for k in p["host_top"]]
     return "\n".join(lines)

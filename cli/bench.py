@@ -130,6 +130,8 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
 @click.option("--transformers", "with_transformers", is_flag=True,
               help="Also time transformers generate on the same file (batches up to 16, the first context).")
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs: every step eager (as a worker with --enforce-eager).")
+@click.option("--no-async-scheduling", is_flag=True,
+              help="Decode steps one at a time (as a worker with --no-async-scheduling), not launched ahead.")
 @click.option("--profile", is_flag=True, help="Also profile a few decode steps per batch (first context): top kernels.")
 @click.option("--speculative-tokens", default="0", show_default=True,
               help="Comma-separated MTP draft counts to measure (0: no speculative decoding).")
@@ -137,8 +139,8 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
               help="Skip the (batch, context) cases whose batch x context exceeds this [default: run all].")
 @device_option
 @json_option("decode")
-def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, profile, speculative_tokens,
-           max_batch_tokens, device, json_path):
+def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, no_async_scheduling, profile,
+           speculative_tokens, max_batch_tokens, device, json_path):
     """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
     from preload.bench.decode import format_table, run_decode
     from preload.options import BUNDLED_MODEL
@@ -151,7 +153,7 @@ def decode(model, quant, batch, context, output_len, with_transformers, enforce_
         drafts = tuple(_int_list(speculative_tokens, "--speculative-tokens", minimum=0))
         result = run_decode(Path(model or BUNDLED_MODEL), device, quant, cases, output_len,
                             with_transformers, _progress, enforce_eager=enforce_eager, profile=profile,
-                            speculative=drafts)
+                            speculative=drafts, async_scheduling=not no_async_scheduling)
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)

@@ -15,7 +15,8 @@ mask [B, Q, K] (True where query q may see key k). Output [B, Q, H, dv].
 `mla_decode` is the decode step over the paged cache itself (one query per sequence):
 on a GPU the Triton kernel of mla_decode.py reads the cache through the block tables;
 elsewhere its reference gathers each sequence's context and runs the absorbed form's
-middle (`latent_attention`) over it. `write_latents` stores new tokens' latents in the
+middle (`latent_attention`) over it; the products with W_uk and W_uv around it
+(`per_head`) take head_matvec.py's kernel for a few sequences. `write_latents` stores new tokens' latents in the
 cache (on a GPU, cache_write.py). On a GPU both kernels find the cache through `Pools.ptrs`,
 its addresses in device memory, not through arguments: a CUDA graph captured against one
 cache then serves any other whose addresses are written there.
@@ -142,7 +143,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_u
     [B, H, dr], absorbed weights (absorbed_weights), one layer's pools. max_context: no
     context is longer (the kernel's split count follows it, the reference's gather width).
     -> [B, H, dv]."""
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+    q_lat = per_head(q_nope, w_uk.transpose(1, 2))
     rank, rope = q_lat.shape[-1], q_pe.shape[-1]
     # Triton's tiles are powers of two, and its dot products at least 16 deep.
     if q_lat.is_cuda and pools.ptrs is not None and all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope)):
@@ -152,4 +153,15 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_u
                                 max_context, scale)
     else:
         out = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)
-    return torch.einsum("bhr,hvr->bhv", out, w_uv)
+    return per_head(out, w_uv)
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[b, h, n] = sum over k of x[b, h, k] w[h, n, k]: x [B, H, K], w [H, N, K]. On a
+    GPU, a decode step's few sequences in one Triton launch (head_matvec.py)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from preload.kernels.head_matvec import ROWS, head_matvec  # Triton: imported only where there is a GPU
+
+        if x.shape[0] <= ROWS:
+            return head_matvec(x, w)
+    return torch.einsum("bhk,hnk->bhn", x, w)

@@ -4,8 +4,9 @@ reference is `linear.linear` off the GPU (dequantize the matrix, then multiply).
 
 A decode step multiplies a few rows by each dense matrix of the model (attention's
 projections, the shared experts, the first layers' MLPs): for few rows (`GEMV_ROWS`)
-the product is split over K as well (split_k.py), in one launch. With a second matrix
-(`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
+the product is split over K as well (split_k.py), in one launch; for one row
+(`ROW_DOT_ROWS`) on the CUDA cores (split_k.row_dot), not padded to a tensor-core tile.
+With a second matrix (`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
 projections, in that same launch. More rows go through the grouped GEMM of fused_moe.py
 with one expert.
 
@@ -21,10 +22,12 @@ import triton.language as tl
 
 from preload.kernels.fused_moe import _launch
 from preload.kernels.quant import Fp8Weight
-from preload.kernels.split_k import combine_splits, counters, partials, slices
+from preload.kernels.split_k import combine_splits, counters, partials, row_dot, slices
 from preload.kernels.triton_dot import dot_dtype
 
 GEMV_ROWS = 16  # rows up to which the split-K kernel runs (its tile has 16 rows)
+ROW_DOT_ROWS = 1  # rows up to which each row is its own program, on the CUDA cores (_row_gemv; at 2 the tile of 16 was faster)
+ROW_BLOCK_N = 64  # _row_gemv's columns per program (as moe_decode's e4m3 tiles: half the bytes of bf16 rows)
 BLOCK_K = 128  # one scale block's width: a K tile never straddles two scales
 
 
@@ -72,16 +75,46 @@ def _split_k_gemv(
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, block_n: int = 32,
+@triton.jit
+def _row_gemv(
+    x_ptr, q_ptr, s_ptr, q2_ptr, s2_ptr, part_ptr, counter_ptr, out_ptr,
+    N, K, tiles_per_split, stride_xm, stride_qn, stride_sn, stride_sk, stride_ps, stride_pm, stride_om,
+    SPLITS: tl.constexpr, SWIGLU: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+):
+    """_split_k_gemv for one row per program (split_k.row_dot): no padding to 16 rows."""
+    row, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = split * tiles_per_split
+    end = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    x = x_ptr + row * stride_xm
+    acc = row_dot(x, q_ptr, s_ptr, cols, N, K, first, end, stride_qn, stride_sn, stride_sk, True, SCALE_N, SCALE_K,
+                  BLOCK_N, BLOCK_K, SUB)
+    acc2 = acc
+    if SWIGLU:
+        acc2 = row_dot(x, q2_ptr, s2_ptr, cols, N, K, first, end, stride_qn, stride_sn, stride_sk, True, SCALE_N,
+                       SCALE_K, BLOCK_N, BLOCK_K, SUB)
+    mask = cols < N
+    out, last = combine_splits(acc, acc2, part_ptr, row * stride_pm + cols, mask,
+                               counter_ptr + row * tl.num_programs(1) + pid_n, split, stride_ps, SPLITS, SWIGLU)
+    if last:
+        tl.store(out_ptr + row * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, block_n: int | None = None,
                  splits: int | None = None) -> torch.Tensor:
     """rows [t <= GEMV_ROWS, K] @ W^T (with w2: silu(rows W^T) * (rows W2^T)) in the rows'
-    dtype. `splits`: slices of the reduction (default: enough blocks to fill the GPU
-    twice over, at least one K tile each). Blocks of 32 columns were the fastest at
-    V2-Lite's shapes on an H200 (scripts/sweep_kernels.py --dense)."""
+    dtype. Up to ROW_DOT_ROWS rows (and K contiguous), a program per row on the CUDA
+    cores, in blocks of ROW_BLOCK_N columns; more, the tensor-core tile of 16 rows, in
+    blocks of 32 (the fastest at V2-Lite's shapes on an H200: scripts/sweep_kernels.py
+    --dense). `splits`: slices of the reduction (default: enough programs to fill the GPU
+    twice over, at least one K tile each)."""
     t, k = rows.shape
     n = w.q.shape[0]
+    by_row = t <= ROW_DOT_ROWS and w.q.stride(1) == 1
+    block_n = block_n or (ROW_BLOCK_N if by_row else 32)
     blocks_n = triton.cdiv(n, block_n)
-    splits, per = slices(triton.cdiv(k, BLOCK_K), blocks_n, rows.device, splits)
+    splits, per = slices(triton.cdiv(k, BLOCK_K), (t if by_row else 1) * blocks_n, rows.device, splits)
     per_tensor = w.scale_inv.shape == (1, 1)
     scale_n, scale_k = (1 << 30, 1 << 30) if per_tensor else w.block
     if scale_k % BLOCK_K:
@@ -89,6 +122,15 @@ def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, 
     out = torch.empty(t, n, dtype=rows.dtype, device=rows.device)
     part = partials(splits, w2 is not None, (t, n), rows.device)
     second = w2 if w2 is not None else w
+    if by_row:
+        _row_gemv[(t, blocks_n, splits)](
+            rows, w.q, w.scale_inv, second.q, second.scale_inv, part, counters(rows.device), out, n, k, per,
+            rows.stride(0), w.q.stride(0), w.scale_inv.stride(0), w.scale_inv.stride(1),
+            part.stride(0), part.stride(1), out.stride(0),
+            SPLITS=splits, SWIGLU=w2 is not None, SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+            SUB=min(4, triton.next_power_of_2(per)), num_warps=4, num_stages=1,
+        )
+        return out
     _split_k_gemv[(blocks_n, splits)](
         rows, w.q, w.scale_inv, second.q, second.scale_inv, part, counters(rows.device), out, t, n, k, per,
         rows.stride(0), w.q.stride(0), w.q.stride(1), w.scale_inv.stride(0), w.scale_inv.stride(1),

@@ -108,12 +108,19 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     return out
 
 
-def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert],
-                   stacked: Callable[[], tuple]) -> torch.Tensor:
-    """The routed experts' sum: the reference loop on the CPU; on a GPU, the fused Triton
-    kernels (fused_moe.py) over `stacked()`, the experts' (gate, up, down) as [E, ...] views."""
+def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert],
+              stacked: Callable[[], tuple], shared: tuple[Weight, Weight, Weight] | None) -> torch.Tensor:
+    """The routed experts' sum plus the shared experts' output (shared: their gate, up and
+    down, or None). The reference loop on the CPU; on a GPU, a decode step's few tokens in
+    two launches (moe_decode.py), more through the grouped GEMMs (fused_moe.py), over
+    `stacked()`, the experts' (gate, up, down) as [E, ...] views."""
     if not x.is_cuda:
-        return moe_experts(x, ids, weights, experts)
-    from preload.kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
+        y = moe_experts(x, ids, weights, experts)
+    else:  # Triton: imported only where there is a GPU
+        from preload.kernels.fused_moe import fused_moe
+        from preload.kernels.moe_decode import fits, moe_decode
 
-    return fused_moe(x, ids, weights, *stacked())
+        if fits(x.shape[0], *stacked(), shared):
+            return moe_decode(x, ids, weights, *stacked(), shared)
+        y = fused_moe(x, ids, weights, *stacked())
+    return y + swiglu(x, *shared) if shared is not None else y

@@ -63,7 +63,9 @@ def combine_splits(acc, acc2, part_ptr, at, mask, counter_ptr, split, stride_ps,
         if last:
             acc = tl.zeros_like(acc)
             acc2 = tl.zeros_like(acc2)
-            for s in range(SPLITS):  # in slice order: the sum does not depend on who came last
+            # In slice order (the sum does not depend on who came last), unrolled: every
+            # slice's load in flight at once, not one L2 round trip after another.
+            for s in tl.static_range(SPLITS):
                 acc += tl.load(part_ptr + s * stride_ps + at, mask=mask, other=0.0, cache_modifier=".cg")
                 if SWIGLU:
                     acc2 += tl.load(part_ptr + (SPLITS + s) * stride_ps + at, mask=mask, other=0.0, cache_modifier=".cg")
@@ -71,6 +73,35 @@ def combine_splits(acc, acc2, part_ptr, at, mask, counter_ptr, split, stride_ps,
     if SWIGLU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc2
     return acc, last
+
+
+@triton.jit
+def row_dot(x_ptr, w_ptr, s_ptr, cols, N, K, first, end, stride_wn, stride_sn, stride_sk,
+             FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+    """sum over K tiles first..end-1 of one row x . W[cols] (times the blocks' scales, FP8),
+    in float32 on the CUDA cores: for one row a tensor-core tile of 16 would be 15 rows of
+    padding. W's K is contiguous. SUB tiles at a time: the loads of one iteration are all
+    that is in flight (nothing feeds a tensor-core dot, so Triton does not pipeline them),
+    so an iteration reads several tiles, each a [BLOCK_N, BLOCK_K] slab with its own scale
+    per row."""
+    ks = tl.arange(0, BLOCK_K)
+    sub = tl.arange(0, SUB)
+    acc = tl.zeros((BLOCK_N, SUB), dtype=tl.float32)
+    for kb in range(first, end, SUB):
+        tile = kb + sub
+        k = tile[:, None] * BLOCK_K + ks[None, :]  # [SUB, BLOCK_K]
+        k_mask = (tile[:, None] < end) & (k < K)
+        x = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols[:, None, None] * stride_wn + k[None, :, :],
+                    mask=(cols[:, None, None] < N) & k_mask[None, :, :], other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :, :], 2)  # [BLOCK_N, SUB]
+        if FP8:  # within a K tile a block's scale is one per row of W
+            s = tl.load(s_ptr + (cols // SCALE_N)[:, None] * stride_sn + (tile * BLOCK_K // SCALE_K)[None, :] * stride_sk,
+                        mask=(cols[:, None] < N) & (tile[None, :] < end), other=0.0)
+            part = part * s
+        acc += part
+    return tl.sum(acc, 1)
 
 
 def partials(splits: int, swiglu: bool, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

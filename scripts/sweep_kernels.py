@@ -1,7 +1,8 @@
 """Tile sweep of the hot decode kernels at V2-Lite shapes on the GPU, timed inside CUDA
 graphs, rotating over several weight copies so L2 holds none of them between launches:
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
-and (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS.
+(`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
+(`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode.
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
 Its output on an H200 is results/moe-tiles-h200.json; the choices it led to are in
 fused_moe.tile_config, mla_decode (MIN_SPLIT, block_n) and fused_router.MIN_SPLIT_D.
@@ -194,7 +195,7 @@ def dense_sweep():
     for name, (n, k) in DENSE.items():
         bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         q8 = [Fp8Weight(*quantize_block(w.float()), (128, 128)) for w in bf]
-        for t in (1, 16):
+        for t in (1, 2, 16):
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             row = dict(matrix=name, n=n, k=k, rows=t, bf16_us=timed(lambda c: torch.nn.functional.linear(x, bf[c])))
             for bn in (32, 64):
@@ -206,10 +207,75 @@ def dense_sweep():
             row["bf16_bytes_us_at_4.8TB"] = n * k * 2 / 4.8e6
             results.append(row)
             print(row, file=sys.stderr)
+    results += absorb_sweep()
+    return results
+
+
+def absorb_sweep():
+    """MLA's absorbed products (16 heads, 128 by 512 each, bf16): cuBLAS's einsum against head_matvec."""
+    from preload.kernels.attention import absorbed_weights, per_head
+
+    results = []
+    ws = [absorbed_weights((torch.randn(16 * 256, 512, device=dev) * 0.05).to(torch.bfloat16), 16, 128)
+          for _ in range(COPIES)]
+    for t in (1, 2, 16):
+        q = torch.randn(t, 16, 128, device=dev, dtype=torch.bfloat16)
+        latent = torch.randn(t, 16, 512, device=dev, dtype=torch.bfloat16)
+        for name, x, eq, w in (("w_uk", q, "bhd,hdr->bhr", lambda c: ws[c][0]), ("w_uv", latent, "bhr,hvr->bhv", lambda c: ws[c][1])):
+            view = (lambda c: w(c).transpose(1, 2)) if name == "w_uk" else w
+            row = dict(matrix=name, rows=t, einsum_us=timed(lambda c: torch.einsum(eq, x, w(c))),
+                       head_matvec_us=timed(lambda c: per_head(x, view(c))))
+            results.append(row)
+            print(row, file=sys.stderr)
+    return results
+
+
+def moe_decode_sweep():
+    """A whole MoE layer of one to four tokens (6 routed experts and the shared ones, V2-Lite):
+    the grouped GEMMs plus the shared MLP (the path before moe_decode) against moe_decode's
+    two launches over its block widths, K slices and warps."""
+    from preload.kernels import moe_decode as dm
+    from preload.kernels.fp8 import quantize_block
+    from preload.kernels.moe import swiglu
+
+    results = []
+    shared_i = 2 * I
+    for fp8 in (False, True):
+        ws = expert_weights(fp8)
+
+        def shared_weight(n, k):
+            w = torch.randn(n, k, device=dev) * 0.02
+            return Fp8Weight(*quantize_block(w), (128, 128)) if fp8 else w.to(torch.bfloat16)
+
+        shared = [tuple(shared_weight(n, k) for n, k in ((shared_i, D), (shared_i, D), (D, shared_i)))
+                  for _ in range(COPIES)]
+        bytes_read = (K * 3 * I * D + 3 * shared_i * D) * (1 if fp8 else 2)
+        for tokens in (1, 2, 4):
+            ids = torch.rand(tokens, E, device=dev).topk(K, dim=1).indices
+            route = torch.rand(tokens, K, device=dev)
+            x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
+            row = dict(fp8=fp8, tokens=tokens, ideal_us_at_4_8TB=bytes_read / 4.8e6,
+                       grouped_us=timed(lambda c: fm.fused_moe(x, ids, route, *ws[c]) + swiglu(x, *shared[c])))
+            for block_n, splits, sub, warps in itertools.product((16, 32, 64), (1, 2, 4), (2, 4), (4, 8)):
+                config = dict(block_n=block_n, splits=splits, sub=sub, num_warps=warps)
+                key = f"decode_bn{block_n}_s{splits}_sub{sub}_w{warps}_us"
+                try:
+                    row[key] = timed(lambda c: dm.moe_decode(x, ids, route, *ws[c], shared[c], config=config))
+                except Exception as e:  # out of registers, etc.
+                    row[key] = None
+                    print(f"{key}: {type(e).__name__} {str(e)[:100]}", file=sys.stderr)
+            row["decode_default_us"] = timed(lambda c: dm.moe_decode(x, ids, route, *ws[c], shared[c]))
+            best = min((k for k in row if k.startswith("decode_") and row[k]), key=row.get)
+            print({k: row[k] for k in ("fp8", "tokens", "ideal_us_at_4_8TB", "grouped_us")}, best, row[best],
+                  file=sys.stderr)
+            results.append(row)
     return results
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--moe-decode"]:
+        json.dump({"moe_decode": moe_decode_sweep()}, sys.stdout, indent=1)
+        sys.exit(0)
     if sys.argv[1:] == ["--dense"]:
         json.dump({"dense": dense_sweep()}, sys.stdout, indent=1)
         sys.exit(0)

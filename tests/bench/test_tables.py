@@ -1,5 +1,6 @@
 """The benchmarks' pure parts: the quantile rule, each table printed from a small
-recorded result (recorded/*.json, from real runs on the 2-core CPU machine), and the
+recorded result (recorded/*.json, from real runs on the 2-core CPU machine; decode's on
+the H200, where its profile has something to show), and the
 summary math. Nothing here starts a daemon."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from preload.bench import cold, memory, prefix, readopt, restart, serve
+from preload.bench import cold, decode, memory, prefix, readopt, restart, serve
 from preload.bench.results import quantiles, row
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -209,3 +210,15 @@ def test_restart_table_of_a_run_of_some_kinds_only():
         m["restart"] = {"sigkill-spare": m["restart"]["sigkill-spare"]}
     table = restart.format_table(result)
     assert "sigkill-spare" in table and "graceful" not in table and "no zygote" not in table
+
+
+def test_decode_table_from_a_recorded_gpu_run():
+    result = recorded("decode")
+    table = decode.format_table(result)
+    print(table)
+    for run in result["runs"]:
+        assert f"{run['output_tok_s']:.1f}" in table
+    for p in result["profiles"]:
+        # the step's wall time, the GPU's share, the graph's launch on the host; the top kernels and host functions
+        assert f"{p['wall_ms']:.2f} ms a step" in table and f"{p['launch_us']:.0f} us" in table
+        assert p["top"][0]["kernel"] in table and p["host_top"][0]["function"] in table

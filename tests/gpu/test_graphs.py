@@ -27,7 +27,7 @@ def prompts(count: int, seed: int = 0, longest: int = 300) -> list[list[int]]:
 def counted_replays(llm: LLM) -> list[int]:
     """Record the batch size of every replay of `llm`'s graphs."""
     calls, replay = [], llm.graphs.replay
-    llm.graphs.replay = lambda batch, scratch: calls.append(len(batch)) or replay(batch, scratch)
+    llm.graphs.replay = lambda batch, scratch, tokens=None: calls.append(len(batch)) or replay(batch, scratch, tokens)
     return calls
 
 
@@ -60,6 +60,31 @@ def test_graphs_and_eager_give_identical_greedy_tokens(pair, count):
     # GEMMs and attention splits differ), a drift the fp8 cache amplifies: tokens only.
     first = torch.tensor([g.logprobs[1] for g in got]), torch.tensor([w.logprobs[1] for w in want])
     assert torch.allclose(*first, atol=2e-2, rtol=2e-2), (first[0] - first[1]).abs().max()
+
+
+@pytest.mark.parametrize("count", [1, 17])
+def test_steps_launched_ahead_give_exactly_what_steps_one_at_a_time_give(pair, count):
+    """--async-scheduling (on by default on a GPU) replays the same graphs with the same
+    inputs, the tokens copied on the device instead of from the host: the same bits."""
+    graphed, _ = pair
+    pipeline = graphed.engine.pipeline
+    assert pipeline is not None
+    launched, launch = [], pipeline._launch
+    pipeline._launch = lambda seqs, starts, tokens=None: (launched.append(tokens is not None), launch(seqs, starts, tokens))[1]
+    batch = prompts(count, seed=count + 1)
+    graphed.generate(batch, max_tokens=1)  # (so that every run below finds the prompts' blocks in the prefix cache)
+    try:
+        ahead = graphed.generate(batch, max_tokens=24, logprobs=5, ignore_eos=True, seed=3, temperature=0.7)
+        greedy_ahead = graphed.generate(batch, max_tokens=24, logprobs=5, ignore_eos=True)
+        graphed.engine.pipeline = None
+        alone = graphed.generate(batch, max_tokens=24, logprobs=5, ignore_eos=True, seed=3, temperature=0.7)
+        greedy_alone = graphed.generate(batch, max_tokens=24, logprobs=5, ignore_eos=True)
+    finally:
+        graphed.engine.pipeline = pipeline
+        del pipeline._launch
+    assert any(launched)
+    for a, b in zip(ahead + greedy_ahead, alone + greedy_alone):
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
 
 
 def test_graphs_serve_a_new_cache_after_capture():

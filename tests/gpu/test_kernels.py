@@ -10,23 +10,29 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+def random_weight(gen: torch.Generator, quant: str, *shape: int):
+    """A weight of `shape` as `quant` stores it: bf16, or e4m3 with 128x128 block scales or one scale."""
+    from preload.kernels.fp8 import quantize_block
+    from preload.kernels.quant import Fp8Weight
+
+    w = torch.randn(*shape, device="cuda", generator=gen) * 0.02
+    if quant == "none":
+        return w.to(torch.bfloat16)
+    block = (128, 128) if quant == "fp8_block" else tuple(shape)
+    return Fp8Weight(*quantize_block(w, block), block)
+
+
 @pytest.mark.parametrize("quant", ["none", "fp8_block", "fp8_per_tensor"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_fused_moe_at_v2_lite_shapes(quant, tokens):
-    from preload.kernels.fp8 import quantize_block
     from preload.kernels.fused_moe import fused_moe, stack_experts
     from preload.kernels.moe import moe_experts, swiglu
-    from preload.kernels.quant import Fp8Weight
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     num, top_k, d, inner = 64, 6, 2048, 1408
 
     def weight(*shape):
-        w = torch.randn(*shape, device="cuda", generator=gen) * 0.02
-        if quant == "none":
-            return w.to(torch.bfloat16)
-        block = (128, 128) if quant == "fp8_block" else tuple(shape)
-        return Fp8Weight(*quantize_block(w, block), block)
+        return random_weight(gen, quant, *shape)
 
     experts = [(weight(inner, d), weight(inner, d), weight(d, inner)) for _ in range(num)]
     x = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
@@ -36,6 +42,59 @@ def test_fused_moe_at_v2_lite_shapes(quant, tokens):
     got = fused_moe(x, ids, weights, *stacked).float()
     err = (got - want).abs().max() / want.abs().max()
     assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_block", "fp8_per_tensor"])
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 1408, 2816), (16, 8, 7168, 2048, 2048)], ids=["v2-lite", "v3"])
+@pytest.mark.parametrize("tokens", ["one", "most"])
+def test_decode_moe_at_real_shapes_and_in_a_graph(quant, shape, tokens):
+    """V3's matrices with 16 of its 256 experts; one token, and as many as the path takes
+    (MAX_TOKENS). A replayed CUDA graph gives the eager launch's output bit for bit (the
+    slices are summed in a fixed order)."""
+    from preload.kernels.fused_moe import stack_experts
+    from preload.kernels.moe import moe_experts, swiglu
+    from preload.kernels.moe_decode import MAX_TOKENS, fits, moe_decode
+
+    tokens = 1 if tokens == "one" else MAX_TOKENS[quant != "none"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num, top_k, d, inner, inner_shared = shape
+
+    def weight(*shape):
+        return random_weight(gen, quant, *shape)
+
+    experts = [(weight(inner, d), weight(inner, d), weight(d, inner)) for _ in range(num)]
+    shared = (weight(inner_shared, d), weight(inner_shared, d), weight(d, inner_shared))
+    x = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+    weights, ids = torch.randn(tokens, num, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
+    stacked = tuple(stack_experts([e[i] for e in experts]) for i in range(3))
+    want = (moe_experts(x, ids, weights, [lambda v, e=e: swiglu(v, *e) for e in experts]) + swiglu(x, *shared)).float()
+    assert fits(tokens, *stacked, shared)
+    eager = moe_decode(x, ids, weights, *stacked, shared)
+    err = (eager.float() - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_decode(x, ids, weights, *stacked, shared)
+    replayed.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(replayed, eager)
+
+
+@pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_absorbed_products_at_real_shapes(heads, batch):
+    """q_nope W_uk and latent W_uv (dn = dv = 128, rank 512) through head_matvec."""
+    from preload.kernels.attention import absorbed_weights, per_head
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv_b = (torch.randn(heads * 256, 512, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    w_uk, w_uv = absorbed_weights(kv_b, heads, 128)
+    q_nope = torch.randn(batch, heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    latent = torch.randn(batch, heads, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    for got, want in ((per_head(q_nope, w_uk.transpose(1, 2)), torch.einsum("bhd,hdr->bhr", q_nope.float(), w_uk.float())),
+                      (per_head(latent, w_uv), torch.einsum("bhr,hvr->bhv", latent.float(), w_uv.float()))):
+        err = (got.float() - want).abs().max() / want.abs().max()
+        assert err < 1e-2, err
 
 
 @pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])

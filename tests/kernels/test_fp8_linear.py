@@ -12,7 +12,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from preload.kernels.fp8 import quantize_block  # noqa: E402
-from preload.kernels.fp8_linear import GEMV_ROWS, fp8_linear, split_k_gemv  # noqa: E402
+from preload.kernels.fp8_linear import GEMV_ROWS, ROW_DOT_ROWS, fp8_linear, split_k_gemv  # noqa: E402
 from preload.kernels.moe import swiglu  # noqa: E402
 from preload.kernels.quant import Fp8Weight  # noqa: E402
 from preload.kernels.split_k import counters  # noqa: E402
@@ -48,25 +48,27 @@ def test_fp8_linear_equals_the_dequantized_matrix(block, rows):
     assert close(got, want), (got.float() - want).abs().max()
 
 
+@pytest.mark.parametrize("rows", [ROW_DOT_ROWS, ROW_DOT_ROWS + 1], ids=["a program per row", "a tile of rows"])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
-def test_split_k_sums_every_slice_once(splits):
+def test_split_k_sums_every_slice_once(splits, rows):
     """K of 5 tiles, the last partial, cut into 1 to 5 slices: the same sums each time,
     launch after launch, with every counter back at zero."""
     w = weight(96, 4 * 128 + 40, (128, 128))
-    x = rows_of((3,), 4 * 128 + 40)
+    x = rows_of((rows,), 4 * 128 + 40)
     want = x.float() @ w.dequantize(torch.float32).T
     for _ in range(3):
         got = split_k_gemv(x, w, splits=splits)
-        assert got.shape == (3, 96) and got.dtype == x.dtype
+        assert got.shape == (rows, 96) and got.dtype == x.dtype
         assert close(got, want), (got.float() - want).abs().max()
     assert not counters(x.device).any()
 
 
 @pytest.mark.parametrize("block", [(128, 128), None], ids=["fp8_block", "fp8_per_tensor"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_fused_gate_up_equals_silu_gate_times_up(block, splits):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_gate_up_equals_silu_gate_times_up(block, splits, rows):
     gate, up = weight(160, 384, block, seed=4), weight(160, 384, block, seed=5)
-    x = rows_of((4,), 384)
+    x = rows_of((rows,), 384)
     g, u = (x.float() @ m.dequantize(torch.float32).T for m in (gate, up))
     want = torch.nn.functional.silu(g) * u
     got = split_k_gemv(x, gate, up, splits=splits)

@@ -15,6 +15,8 @@ takes a slot, writes its addresses into the same table. No context length is bak
 either: the attention kernel sizes each sequence's splits on the device (mla_decode.py).
 
 Sampling stays outside: it is per request (generators, top-p, penalties) and small.
+A step launched ahead of its tokens reaching the host (pipeline.py) takes them from
+the device: the last step's draws, copied into the tokens buffer after the fill.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.ids = torch.zeros(4, n, dtype=torch.long, device=device)  # tokens, positions, slots, context lengths
         self.table = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        # The host side of the same: filled in place, copied in at most two transfers a step.
-        # (The step after reads its tokens from the host, so a copy never overlaps the next fill.)
-        self.host_ids = torch.zeros(4, n, dtype=torch.long).pin_memory()
-        self.host_table = torch.zeros(n, self.width, dtype=torch.int32).pin_memory()
-        self._ids_np, self._table_np = self.host_ids.numpy(), self.host_table.numpy()
+        # The host side of the same, copied in at most two transfers a step: two of each,
+        # taken in turn, since a step launched ahead (pipeline.py) fills one while the
+        # copy out of the other may still wait in the stream; an event says it is done.
+        self.host = [(torch.zeros(4, n, dtype=torch.long).pin_memory(),
+                      torch.zeros(n, self.width, dtype=torch.int32).pin_memory(), torch.cuda.Event()) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -81,7 +84,10 @@ class DecodeGraphs:
 
     def _fill(self, rows: list[tuple[int, int, list[int]]], size: int, scratch_block: int) -> None:
         """rows: (token, position, blocks) of each sequence; the rest of `size` is padding."""
-        ids, table, bs = self._ids_np, self._table_np, self.block_size
+        host_ids, host_table, copied = self.host[self._turn]
+        self._turn ^= 1
+        copied.synchronize()  # (its last copy out: long done, but the stream is what says so)
+        ids, table, bs = host_ids.numpy(), host_table.numpy(), self.block_size
         width = 1
         for i, (token, pos, blocks) in enumerate(rows):
             ids[:, i] = (token, pos, blocks[pos // bs] * bs + pos % bs, pos + 1)
@@ -89,8 +95,9 @@ class DecodeGraphs:
             width = max(width, len(blocks))
         ids[:, len(rows) : size] = ((0,), (0,), (scratch_block * bs,), (1,))
         table[len(rows) : size, 0] = scratch_block
-        self.ids[:, :size].copy_(self.host_ids[:, :size], non_blocking=True)
-        self.table[:size, :width].copy_(self.host_table[:size, :width], non_blocking=True)
+        self.ids[:, :size].copy_(host_ids[:, :size], non_blocking=True)
+        self.table[:size, :width].copy_(host_table[:size, :width], non_blocking=True)
+        copied.record()
 
     @torch.inference_mode()
     def capture(self, cache: LatentCache, scratch_block: int) -> None:
@@ -115,10 +122,14 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch %d..%d) in %.2f s", len(self.sizes), self.sizes[0], self.sizes[-1],
                  time.monotonic() - t0)
 
-    def replay(self, batch: list[tuple], scratch_block: int) -> torch.Tensor:
+    def replay(self, batch: list[tuple], scratch_block: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs [len(batch), vocab] of the next token for (sequence, start, 1) spans,
-        valid until the next replay (the graphs share their memory)."""
+        valid until the next replay (the graphs share their memory). `tokens`: the
+        batch's input tokens on the device, when the host does not have them yet."""
         size = next(s for s in self.sizes if s >= len(batch))
-        self._fill([(seq.tokens(start, start + 1)[0], start, seq.blocks) for seq, start, _ in batch], size, scratch_block)
+        self._fill([(0 if tokens is not None else seq.tokens(start, start + 1)[0], start, seq.blocks)
+                    for seq, start, _ in batch], size, scratch_block)
+        if tokens is not None:
+            self.ids[0, : len(batch)].copy_(tokens)
         self.graphs[size].replay()
         return self.outputs[size][: len(batch)]

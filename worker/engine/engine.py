@@ -23,6 +23,7 @@ from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
+from preload.worker.engine.pipeline import DecodePipeline
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
@@ -102,6 +103,8 @@ class Engine:
         self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
         self.special_ids = tokenizer.special_ids
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
+        # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
+        self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
 
     @property
     def max_model_len(self) -> int:
@@ -145,7 +148,7 @@ class Engine:
             self.scheduler.finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.flight is not None)
 
     def stats(self) -> EngineStats:
         """Safe to call from another thread: each number is read once, none is changed."""
@@ -156,11 +159,16 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
-        """Run one batch; return an Output for each sequence that produced a token or failed."""
-        batch = self.scheduler.schedule()
+        """Run one batch; return an Output for each sequence that produced a token or failed
+        (with --async-scheduling, the batch launched by the call before, if it was: pipeline.py)."""
+        if self.pipeline is not None and self.pipeline.takes_step():
+            return self.pipeline.step()
+        return self.run(self.scheduler.schedule())
+
+    def run(self, batch: list[tuple[Sequence, int]]) -> list[Output]:
+        """One scheduled batch of (sequence, tokens to compute), start to finish."""
         if not batch:
             return []
-        dev = self.device
         spans = [(seq, seq.computed, n) for seq, n in batch]
         # Logits only where needed: each sequence's last row when its pending tokens are
         # all in, and every row of a prompt that is being scored.
@@ -174,13 +182,7 @@ class Engine:
             row += n
         # Log-probs stay on the device: only sampled ids, and the log-probs a request asked
         # for, come to the host. (Drafting reads the hidden states, which a graph does not keep.)
-        if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
-            logprobs = self.graphs.replay(spans, self.scratch_block)  # one row per sequence: rows are 0..B-1
-        else:
-            tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
-            meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
-            hidden = self.model.forward(torch.tensor(tokens, device=dev), meta, self.cache)
-            logprobs = self.model.logits(hidden[torch.tensor(rows, device=dev)]).log_softmax(-1)
+        logprobs, hidden = self.forward(spans, rows)
 
         outputs, advancing, verifying = [], [], []  # advancing: (sequence, its row) of those that sample a token
         for (seq, start, n), (first, scoring) in zip(spans, wanted):  # (every row, past drafts: a prompt scored)
@@ -198,18 +200,26 @@ class Engine:
             except SequenceFault as fault:
                 self.scheduler.finish(seq, "error")
                 outputs.append(Output(seq.id, error=str(fault)))
-        for (seq, _), drawn in zip(advancing, self._sample(advancing, logprobs)):
-            try:
-                if isinstance(drawn, SequenceFault):
-                    raise drawn
-                outputs.append(self._advance(seq, *drawn))
-            except SequenceFault as fault:
-                self.scheduler.finish(seq, "error")
-                outputs.append(Output(seq.id, error=str(fault)))
+        outputs += self.advance([seq for seq, _ in advancing], self.sample(advancing, logprobs))
         outputs += [self._verify(*v) for v in verifying]
         if self.drafter is not None:
             self.drafter.draft(spans, hidden)
         return outputs
+
+    def forward(self, spans: list[tuple[Sequence, int, int]], rows: list[int],
+                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The log-probs at `rows` of a batch of (sequence, start, n) spans, and the hidden
+        states when run eagerly (None from a graph, whose rows are one per sequence).
+        `tokens`: the batch's inputs already on the device (a step launched ahead)."""
+        if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
+            return self.graphs.replay(spans, self.scratch_block, tokens), None
+        dev = self.device
+        if tokens is None:
+            tokens = torch.tensor([t for seq, start, n in spans for t in seq.tokens(start, start + n)], device=dev)
+        meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
+        hidden = self.model.forward(tokens, meta, self.cache)
+        picked = hidden if rows == list(range(len(hidden))) else hidden[torch.tensor(rows, device=dev)]
+        return self.model.logits(picked).log_softmax(-1), hidden
 
     def _verify(self, seq: Sequence, start: int, rows: torch.Tensor) -> Output:
         """Keep what the target agrees with of `seq`'s drafts (speculative.accept) and the
@@ -231,14 +241,29 @@ class Engine:
             outs.append(Output(seq.id, error=str(fault)))
         return Output.merge(outs)
 
-    def _sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:
+    def advance(self, seqs: list[Sequence], drawn: list) -> list[Output]:
+        """An Output for each of `seqs` with what `sample` drew for it (or its fault)."""
+        outputs = []
+        for seq, d in zip(seqs, drawn):
+            try:
+                if isinstance(d, SequenceFault):
+                    raise d
+                outputs.append(self._advance(seq, *d))
+            except SequenceFault as fault:
+                self.scheduler.finish(seq, "error")
+                outputs.append(Output(seq.id, error=str(fault)))
+        return outputs
+
+    def sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:
         """For each (sequence, row): (token, its log-prob, its top log-probs) as the request
         asked for them, drawn for the whole batch at once; if that fails, row by row, so
         that a failure is the one sequence's whose row it is (a SequenceFault in its place)."""
         if not advancing:
             return []
         seqs = [seq for seq, _ in advancing]
-        rows = logprobs[torch.tensor([row for _, row in advancing], device=self.device)]
+        picked = [row for _, row in advancing]
+        # Every row (a decode step): no index to copy in, a copy that would wait for the step.
+        rows = logprobs if picked == list(range(len(logprobs))) else logprobs[torch.tensor(picked, device=self.device)]
         # Sampled from the rows as the operator's processors and the requests steer them; the
         # log-probs reported are the model's.
         try:
@@ -272,13 +297,24 @@ class Engine:
     def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:
         """(token, log-prob or None, {id: log-prob} of the n most likely or None) per row,
         in one transfer to the host."""
+        packed, n_top = Engine.pack(seqs, rows, tokens)
+        return Engine.unpack(seqs, packed.tolist(), n_top)
+
+    @staticmethod
+    def pack(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """What the host needs of the drawn `tokens` in one tensor, so one copy (float64 holds
+        every token id exactly): [token, its log-prob, top ids..., top log-probs...] per
+        row, n_top of each (the most any of `seqs` asked for)."""
         n_top = max((s.params.logprobs or 0) for s in seqs)
         columns = [tokens[:, None], rows.gather(1, tokens[:, None])]
         if n_top:
             top = rows.topk(n_top, dim=-1)
             columns += [top.indices, top.values]
-        # One tensor, so one copy (float64 holds every token id exactly): [token, its log-prob, ids..., log-probs...]
-        host = torch.cat([c.double() for c in columns], 1).tolist()
+        return torch.cat([c.double() for c in columns], 1), n_top
+
+    @staticmethod
+    def unpack(seqs: list[Sequence], host: list[list[float]], n_top: int) -> list[tuple]:
+        """`pack`'s rows, on the host, as _picked returns them."""
         out = []
         for seq, (token, lp, *top_cols) in zip(seqs, host):
             n = seq.params.logprobs

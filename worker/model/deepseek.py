@@ -18,7 +18,7 @@ from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.shapes import mtp_layer_index
 from preload.kernels.attention import absorbed_weights, mla_decode, mla_expanded
 from preload.kernels.linear import dense, linear, linear_weight
-from preload.kernels.moe import route, routed_experts, swiglu
+from preload.kernels.moe import moe_layer, route, swiglu
 from preload.kernels.norm import add_rms_norm, rms_norm
 from preload.kernels.quant import BLOCK, Weight
 from preload.kernels.rope import rope_frequencies, rope_qk, softmax_scale
@@ -77,8 +77,8 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        y = routed_experts(x, ids, weights, self.experts, self.stacked)
-        return y + self.shared(x) if self.shared else y
+        shared = (self.shared.gate, self.shared.up, self.shared.down) if self.shared else None
+        return moe_layer(x, ids, weights, self.experts, self.stacked, shared)
 
 
 class Attention:
@@ -148,9 +148,21 @@ class Block:
         self.ffn_norm = w[f"{p}.post_attention_layernorm.weight"]
         self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(cfg, w, f"{p}.mlp")
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMeta,
+                cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feed-forward output, residual stream before it): their sum is the layer's output,
+        which the next layer's first norm adds up itself (one launch for the add and the norm);
+        residual None: x is the stream itself (the first layer)."""
+        if residual is None:
+            h, residual = rms_norm(x, self.attn_norm, self.eps), x
+        else:
+            h, residual = add_rms_norm(x, residual, self.attn_norm, self.eps)
+        h, residual = add_rms_norm(self.attn(h, rope, meta, cache), residual, self.ffn_norm, self.eps)
+        return self.ffn(h), residual
+
     def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
-        h, x = add_rms_norm(self.attn(rms_norm(x, self.attn_norm, self.eps), rope, meta, cache), x, self.ffn_norm, self.eps)
-        return x + self.ffn(h)
+        out, residual = self.forward(x, None, rope, meta, cache)
+        return out + residual
 
 
 class MTP:
@@ -192,10 +204,10 @@ class Transformer:
 
     def forward(self, tokens: torch.Tensor, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
         """Final-normed hidden states [T, D] for a flat batch of tokens [T]."""
-        x = self.embed[tokens]
+        x, residual = self.embed[tokens], None
         for block in self.layers:
-            x = block(x, self.rope, meta, cache)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x, residual = block.forward(x, residual, self.rope, meta, cache)
+        return add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head).float()

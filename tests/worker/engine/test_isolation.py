@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 import torch
+from engine_steps import run_to_end
 
 from preload import BUNDLED_MODEL, LLM
 from preload.worker.engine import engine as engine_module
@@ -28,14 +29,7 @@ def llm():
 
 def run(engine, seqs: list[Sequence]) -> dict[int, Output]:
     """Drive the engine until `seqs` are done; each sequence's merged Output."""
-    for seq in seqs:
-        engine.check(seq)
-        engine.add(seq)
-    outputs: dict[int, list[Output]] = {seq.id: [] for seq in seqs}
-    while engine.has_work():
-        for out in engine.step():
-            outputs[out.seq_id].append(out)
-    return {i: Output.merge(o) for i, o in outputs.items()}
+    return run_to_end(engine, seqs)
 
 
 def greedy(prompt, max_tokens: int = 8, **kw) -> Sequence:

@@ -1,0 +1,135 @@
+"""Decode steps launched one ahead (--async-scheduling, pipeline.py) change when the host
+learns a step's tokens, never what they are: every request gets exactly what it gets
+with steps run one at a time, whatever ends it (length, a stop token while the next
+step is in flight, an abort), and nothing it held is left behind.
+
+On a GPU the engine makes its pipeline itself; here, on the CPU where it would not,
+the tests give the engine one, so that its bookkeeping runs as it does there."""
+
+from __future__ import annotations
+
+import pytest
+from engine_steps import run_to_end
+
+from preload import BUNDLED_MODEL, LLM
+from preload.worker.engine.output import Output
+from preload.worker.engine.pipeline import DecodePipeline
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(BUNDLED_MODEL, dtype="float32")
+
+
+@pytest.fixture
+def engine(llm):
+    """The module's engine, with or without a pipeline as each test sets it, empty after."""
+    yield llm.engine
+    llm.engine.pipeline = None
+    assert not llm.engine.has_work() and llm.engine.blocks.used == 0  # every block given back
+
+
+def run(engine, seqs: list[Sequence], pipelined: bool, each_step=None) -> dict[int, Output]:
+    """Drive `engine` until `seqs` are done (with a pipeline or without); each one's merged Output."""
+    engine.pipeline = DecodePipeline(engine) if pipelined else None
+    return run_to_end(engine, seqs, each_step)
+
+
+def requests(**params) -> list[Sequence]:
+    return [Sequence(p, SamplingParams(**({"max_tokens": 6 + 3 * i, "ignore_eos": True} | params)))
+            for i, p in enumerate(PROMPTS)]
+
+
+def same(engine, make, **kw) -> tuple[list[Output], list[Output]]:
+    """The outputs of the sequences `make()` gives, one step at a time and pipelined."""
+    alone = list(run(engine, make(), pipelined=False).values())
+    ahead = list(run(engine, make(), pipelined=True, **kw).values())
+    for a, b in zip(alone, ahead):
+        assert (b.token_ids, b.text, b.finish_reason, b.error) == (a.token_ids, a.text, a.finish_reason, a.error)
+    return alone, ahead
+
+
+def count_launches_ahead(engine, monkeypatch) -> list[int]:
+    """How many steps went to the model with their inputs on the device (launched ahead)."""
+    ahead, forward = [], engine.forward
+    monkeypatch.setattr(engine, "forward", lambda spans, rows, tokens=None: (
+        ahead.append(len(spans)) if tokens is not None else None, forward(spans, rows, tokens))[1])
+    return ahead
+
+
+def test_greedy_outputs_are_the_same_and_steps_are_launched_ahead(engine, monkeypatch):
+    launched = count_launches_ahead(engine, monkeypatch)
+    alone, _ = same(engine, requests)
+    assert [len(o.token_ids) for o in alone] == [6, 9, 12]
+    assert launched and max(launched) == 3  # the whole batch, launched ahead
+
+
+def test_seeded_sampling_and_logprobs_are_the_same(engine):
+    alone, ahead = same(engine, lambda: requests(temperature=0.9, top_p=0.9, seed=7, logprobs=3))
+    for a, b in zip(alone, ahead):
+        assert b.logprobs == a.logprobs and b.top_logprobs == a.top_logprobs
+
+
+def test_a_stop_token_while_the_next_step_is_in_flight(engine, monkeypatch):
+    """The middle request stops on its 4th token: the step launched ahead for it is
+    computed for nothing, and the others go on unchanged."""
+    [first] = run(engine, [requests()[1]], pipelined=False).values()
+    stop = first.token_ids[3]
+    launched = count_launches_ahead(engine, monkeypatch)
+
+    def make():
+        seqs = requests()
+        seqs[1].params = SamplingParams(max_tokens=9, stop_token_ids=[stop], ignore_eos=True)
+        return seqs
+
+    _, ahead = same(engine, make)
+    assert ahead[1].finish_reason == "stop" and ahead[1].token_ids[-1] == stop
+    assert len(ahead[1].token_ids) == first.token_ids.index(stop) + 1
+    assert 3 in launched  # the step in flight when it stopped held all three
+
+
+def test_an_abort_mid_run_frees_everything(engine):
+    seqs = requests()
+
+    def abort_second(outputs):
+        if len(outputs[seqs[1].id]) == 3 and not seqs[1].finished:
+            engine.abort(seqs[1])
+
+    out = run(engine, seqs, pipelined=True, each_step=abort_second)
+    assert out[seqs[1].id].finish_reason is None and len(out[seqs[1].id].token_ids) == 3  # nothing after the abort
+    assert [len(out[s.id].token_ids) for s in (seqs[0], seqs[2])] == [6, 12]
+
+
+def test_requests_that_read_their_output_on_the_host_are_not_launched_ahead(engine, monkeypatch):
+    launched = count_launches_ahead(engine, monkeypatch)
+    same(engine, lambda: requests(presence_penalty=0.5))
+    same(engine, lambda: requests(repetition_penalty=1.3))
+    assert launched == []
+
+
+def test_an_arrival_is_admitted_at_the_next_step(engine):
+    """A request that arrives while steps are launched ahead waits one step at most:
+    the step in flight lands, and the next is scheduled with the newcomer."""
+    first = requests()[2]
+    late = Sequence([20, 21, 22], SamplingParams(max_tokens=4, ignore_eos=True))
+    [alone] = run(engine, [Sequence(late.prompt, late.params)], pipelined=False).values()
+    [before] = run(engine, [requests()[2]], pipelined=False).values()
+    steps, first_token = [], []
+
+    def arrive(outputs):
+        steps.append(len(steps) + 1)
+        if len(steps) == 3:  # (a step was launched ahead during this one)
+            engine.check(late)
+            engine.add(late)
+            outputs[late.id] = []
+        if late.output and not first_token:
+            first_token.append(len(steps))
+
+    outputs = run(engine, [first], pipelined=True, each_step=arrive)
+    assert first_token == [5]  # step 4 lands the step in flight, step 5 admits it (and prefills it)
+    assert outputs[first.id].token_ids == before.token_ids
+    assert late.finished and late.output == alone.token_ids
