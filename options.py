@@ -124,7 +124,11 @@ class ServeOptions:
     """One worker attached to a daemon (`preload serve`, or each worker the daemon runs)."""
 
     state_dir: Path | None = option(None, STATE_DIR_HELP)
-    model: Path | None = option(None, "Refuse to start unless the daemon holds exactly this checkpoint.")
+    model: Path | None = option(
+        None, "The checkpoint: refuse to start unless the daemon holds exactly this one; with no daemon on the state"
+        " dir, load it in this process (a copy of the weights of the worker's own) unless --require-daemon.")
+    require_daemon: bool = option(False, "Refuse to start when no daemon answers on the state dir, instead of loading"
+                                  " --model in this process.")
     host: str = option("127.0.0.1", "API host.")
     port: int = option(8000, "API port.", bounds=(0, 65535))
     worker: WorkerOptions = field(default_factory=WorkerOptions)

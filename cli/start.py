@@ -45,13 +45,13 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     read_ahead(Path(options.model or BUNDLED_MODEL))  # first: the imports below take a second or more
     from setproctitle import setproctitle
 
-    from preload.preloadd.daemon import Daemon
-
     setproctitle(f"preload daemon --state-dir {options.state_dir}")  # what `ps` shows (its argv is JSON)
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
     try:
         _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)  # (`start` checked the state dir)
+        from preload.preloadd.daemon import Daemon  # torch and the rest: a broken install is a failed start too
+
         Daemon(options).run(notify)
         return 0
     except KeyboardInterrupt:

@@ -107,6 +107,7 @@ class Adoption:
 
     listener: OrphanListener
     fingerprint: str
+    listen: list  # [host, port] of this daemon's API socket: an orphan must serve that one
     expected: dict[int, int]  # slot -> pid of a live orphan that has not called yet
     until: float = field(default_factory=lambda: time.monotonic() + ADOPT_WAIT)
 
@@ -124,6 +125,8 @@ class Adoption:
         slot = claim.get("slot")
         if claim.get("fingerprint") != self.fingerprint:
             return "it serves other weights than this daemon holds"
+        if claim.get("listen") != self.listen:  # (started on another --host or --port: clients come there now)
+            return f"it serves {claim.get('listen')}, this daemon's API is {self.listen}"
         if not isinstance(slot, int) or not 0 <= slot < slots:
             return f"slot {slot!r} is not one of this daemon's {slots}"
         if not vacant(slot):

@@ -15,23 +15,33 @@ class StateDirError(RuntimeError):
     """The state dir or a device is not ours to use."""
 
 
+MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
+
+
 def prepare_state_dir(path: Path, others_allowed: bool) -> None:
     """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
     may reach the sockets, not list the dir) when other uids or gids are allow-listed.
-    Trusted only if nobody else could have made, replaced or redirected it: the dir itself
-    no symlink and ours, every directory above it root's or ours and writable by no one
-    else (unless sticky, as /tmp is)."""
+    Trusted only if nobody else could have made, replaced or redirected it, as ssh's
+    StrictModes has it: the dir itself no symlink and ours; every directory above it root's
+    or ours and writable by no one else (unless sticky, as /tmp is); no symlink on the way
+    but root's (/var/run -> /run), and then what it points to passes the same checks.
+    Everything that exists is checked before anything is made; missing directories are
+    made 0700 one at a time, each checked (never followed) before the next."""
     path = Path(os.path.abspath(path))
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_ancestors(path.parent)
+    if path == path.parent:
+        raise StateDirError(f"state dir {path} is the root directory")
+    parent_fd = _open_trusted_dir(path.parent, create=True)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:  # the dir itself, never what a symlink there points to
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise StateDirError(f"state dir {path} is not a directory of ours (a symlink or a file: {e.strerror})") from None
+        try:
+            os.mkdir(path.name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        try:  # the dir itself, never what a symlink there points to
+            fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        except OSError as e:
+            raise StateDirError(f"state dir {path} is not a directory of ours (a symlink or a file: {e.strerror})") from None
+    finally:
+        os.close(parent_fd)
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
@@ -42,14 +52,84 @@ def prepare_state_dir(path: Path, others_allowed: bool) -> None:
 
 
 def check_ancestors(directory: Path) -> None:
-    """StateDirError unless every directory from `directory` up to / is root's or ours and
-    writable by no one else (a sticky one, like /tmp, lets others write but not replace ours)."""
-    for d in (directory, *directory.parents):
-        st = os.stat(d)
-        if st.st_uid not in (0, os.getuid()):
-            raise StateDirError(f"{d}, above the state dir, belongs to uid {st.st_uid}: they could replace the state dir")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise StateDirError(f"{d}, above the state dir, is writable by others: they could replace the state dir")
+    """StateDirError unless `directory` and every directory above it is root's or ours and
+    writable by no one else (a sticky one, like /tmp, lets others write but not replace
+    ours), and any symlink on the way is root's and leads to such directories only."""
+    os.close(_open_trusted_dir(Path(os.path.abspath(directory)), create=False))
+
+
+def _open_trusted_dir(directory: Path, create: bool) -> int:
+    """An O_PATH fd of `directory` (absolute), walked from / one component at a time with
+    lstat and O_NOFOLLOW, so that what is checked is what is used: each directory must pass
+    `_check_dir`; a symlink must be root's, and its target is walked the same way. With
+    `create`, a missing component is made (0700) once all that exists above it passed,
+    then checked like the others (someone else's made first under our feet is refused)."""
+    uid = os.getuid()
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    pending = list(reversed(directory.parts[1:]))  # the components still to walk, next last
+    dirs: list[tuple[Path, int]] = []  # the walked directories, / first, each held open
+    via = ""  # the last symlink followed, for the messages
+    links = 0
+    try:
+        root = os.open("/", flags)
+        dirs.append((Path("/"), root))
+        _check_dir(Path("/"), os.fstat(root), uid, via)
+        while pending:
+            name = pending.pop()
+            if name in ("", "."):
+                continue
+            here, fd = dirs[-1]
+            if name == "..":
+                if len(dirs) > 1:
+                    os.close(dirs.pop()[1])
+                continue
+            path = here / name
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    raise StateDirError(f"{path}, above the state dir, does not exist{via}") from None
+                try:
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass  # someone was quicker: checked below like anything else
+                st = None
+            except OSError as e:
+                raise StateDirError(f"{path}, above the state dir, cannot be checked ({e.strerror}){via}") from None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    raise StateDirError(f"{path}, above the state dir, is a symlink of uid {st.st_uid}{via}: only root's"
+                                        " are followed (whoever made it could redirect the state dir)")
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise StateDirError(f"{path}, above the state dir: too many levels of symlinks")
+                target = os.readlink(name, dir_fd=fd)
+                via = f" (reached through the symlink {path} -> {target})"
+                if target.startswith("/"):
+                    while len(dirs) > 1:
+                        os.close(dirs.pop()[1])
+                pending.extend(reversed(Path(target).parts[1 if target.startswith("/") else 0:]))
+                continue
+            try:  # never through a symlink put there since the lstat
+                child = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                raise StateDirError(f"{path}, above the state dir, is not a directory ({e.strerror}){via}") from None
+            dirs.append((path, child))
+            _check_dir(path, os.fstat(child), uid, via)
+        return dirs.pop()[1]
+    finally:
+        for _, fd in dirs:
+            os.close(fd)
+
+
+def _check_dir(path: Path, st: os.stat_result, uid: int, via: str) -> None:
+    """Root's or ours, and writable by no one else unless sticky (as /tmp: others may add
+    names there, not rename or remove ours)."""
+    if st.st_uid not in (0, uid):
+        raise StateDirError(f"{path}, above the state dir, belongs to uid {st.st_uid}{via}:"
+                            " they could replace the state dir")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise StateDirError(f"{path}, above the state dir, is writable by others{via}: they could replace the state dir")
 
 
 class PidLock:

@@ -16,7 +16,7 @@ has work but makes no step. When the daemon dies, a spare reads EOF and exits; a
 serving worker keeps serving and, every REJOIN_INTERVAL, tries the socket where a new
 daemon of its state dir takes over the workers the last one left (preloadd/orphans.py):
   worker -> daemon  {"event": "adopt", "pid": p, "slot": k, "fingerprint": f, "kv_cache_bytes": n,
-                     "kv_memory_bytes": m} + the fd of its KV memory
+                     "kv_memory_bytes": m, "listen": [host, port]} + the fd of its KV memory
   daemon -> worker  {"adopted": true}       supervised again: beats go on the new link
                     {"retire": "why"}       drain and exit (the slot gets a fresh worker)
 """
@@ -58,7 +58,7 @@ class DaemonLink:
         self.sock, self.on_slot, self.on_retire = socket.socket(fileno=fd), on_slot, on_retire
         self.rejoin_path = workers_socket_path(state_dir) if state_dir is not None else None
         self.slot: int | None = None
-        self.claim: dict = {}  # what a new daemon is told of us: fingerprint, kv_cache_bytes, kv_memory_bytes
+        self.claim: dict = {}  # what a new daemon is told of us: fingerprint, KV sizes, the API address served
         self.kv_fd = -1  # our KV memory's fd: with `ready`, and to a new daemon with the claim
         self.kv_offer: KvOffer | None = None
         self._send_lock = threading.Lock()  # beats come from their own thread

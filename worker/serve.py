@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from preload.ipc.client import DaemonUnavailable
 from preload.ipc.kv_memory import KvMemory
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
@@ -52,8 +53,10 @@ def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
         return e.kv_cache_memory
     if llm.device.type != "cuda":
         return CPU_KV_CACHE_BYTES
-    share = kv_cache_share(cfg, llm.device, llm.attached.manifest.arena.size, e.max_num_batched_tokens,
-                           opts.workers, opts.spares, e.gpu_memory_utilization)
+    # (Loaded in this process, without a daemon: the weights are what this process holds.)
+    weights = llm.attached.manifest.arena.size if llm.attached else torch.cuda.memory_allocated(llm.device)
+    share = kv_cache_share(cfg, llm.device, weights, e.max_num_batched_tokens, opts.workers, opts.spares,
+                           e.gpu_memory_utilization)
     # More than every sequence at full length is never used (and a small model would get millions of blocks).
     useful = e.max_num_seqs * cfg.max_position_embeddings * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
     return min(share, useful)
@@ -114,8 +117,8 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     engine: AsyncEngine | None = None
     if link is not None:  # beats from now on: a worker stuck before its engine runs is seen too
         link.beat(lambda: engine.progress() if engine else (0, False))
-    llm = LLM(opts.model, state_dir=opts.state_dir, engine=replace(w.engine, kv_cache_memory=WARM_UP_KV_BYTES))
-    name = w.served_model_name or Path(llm.attached.manifest.model).name
+    llm = open_weights(opts, state, supervised=link is not None)
+    name = w.served_model_name or Path(llm.attached.manifest.model if llm.attached else opts.model).name
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
     async def warm_up() -> None:
@@ -164,7 +167,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
         memory = llm.engine.kv_memory
         link.kv_fd = memory.fd
         link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
-                      "kv_memory_bytes": memory.size}
+                      "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2])}
         mark_ready(state)
     if sock is None:
         sock = listen(opts.host, opts.port)
@@ -175,6 +178,26 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
         llm.close()
     if engine.error is not None:  # exit non-zero: a supervisor or systemd starts a fresh worker
         raise RuntimeError(f"engine failed: {engine.error}") from engine.error
+
+
+def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool) -> LLM:
+    """The model on the daemon's weights; or, when no daemon answers on the state dir and
+    --model names a checkpoint (and neither --require-daemon nor a supervisor says the
+    daemon is a must), on the checkpoint loaded here, as vLLM's preload falls back: the
+    worker still serves, said loudly in its log and /status."""
+    engine = replace(opts.worker.engine, kv_cache_memory=WARM_UP_KV_BYTES)
+    try:
+        llm = LLM(opts.model, state_dir=opts.state_dir, engine=engine)
+        state.weights_note = f"the daemon's on {llm.attached.state_dir}"
+        return llm
+    except DaemonUnavailable as e:
+        if supervised or opts.require_daemon or opts.model is None:
+            raise
+        note = (f"no daemon: {e}; {opts.model} loaded in this process, a copy of the weights of this worker's own,"
+                " read again at every restart (--require-daemon refuses to start instead)")
+    log.warning("*** %s ***", note)
+    state.weights, state.weights_note = "in-process", note
+    return LLM(opts.model, engine=engine)
 
 
 def mark_ready(state: WorkerState) -> None:

@@ -5,6 +5,8 @@ The unit file is checked by systemd-analyze where systemd is installed."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -14,7 +16,72 @@ from pathlib import Path
 import pytest
 from daemons import PRELOAD, free_port, preload
 
+from preload.options import WorkerOptions
+
 UNIT = Path(__file__).parents[2] / "deploy" / "preload.service"
+INSTALLED = "/opt/preload/bin/preload"
+
+
+def service_section() -> dict[str, str]:
+    """The unit's [Service] settings (each key once in this unit), comments dropped."""
+    settings, section = {}, None
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and line and not line.startswith(("#", ";")):
+            key, _, value = line.partition("=")
+            assert key not in settings, f"{key}= twice: this parser takes each key once"
+            settings[key] = value
+    return settings
+
+
+def seconds(value: str) -> float:
+    assert value.isdigit(), f"{value}: give systemd's times in plain seconds here"
+    return float(value)
+
+
+def run_exec_stop(tmp_path: Path, **env: str) -> list[str] | None:
+    """Run the unit's ExecStop= as systemd would, with the environment systemd gives it
+    (`env`: MAINPID, SERVICE_RESULT, ...), the installed `preload` replaced by a stub that
+    records its arguments: the arguments `preload` was run with, or None if it was not."""
+    argv = shlex.split(service_section()["ExecStop"].replace("$$", "$"))  # systemd's $$ -> $
+    calls = tmp_path / "calls"
+    stub = tmp_path / "preload"
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    stub.chmod(0o755)
+    argv = [a.replace(INSTALLED, str(stub)) for a in argv]
+    r = subprocess.run(argv, env={"PATH": "/usr/bin:/bin"} | env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, f"ExecStop failed ({r.returncode}): {r.stderr}"  # systemd would log a failed stop
+    return calls.read_text().split() if calls.exists() else None
+
+
+def test_a_deliberate_stop_stops_the_daemon_keeper_and_workers(tmp_path):
+    """`systemctl stop preload` while the daemon runs (systemd passes its $MAINPID): ExecStop
+    runs `preload stop`, which drains the workers and ends the keeper; its timeout covers the
+    daemon's own stop (drain, then up to 20 s to reap the workers) and fits in
+    TimeoutStopSec, so systemd never cuts a drain short."""
+    args = run_exec_stop(tmp_path, MAINPID="4242", SERVICE_RESULT="success")
+    assert args is not None and args[0] == "stop", args
+    timeout = float(args[args.index("--timeout") + 1])
+    assert WorkerOptions().drain_timeout + 20 <= timeout < seconds(service_section()["TimeoutStopSec"])
+
+
+@pytest.mark.parametrize("result", ["signal", "core-dump", "exit-code", "success"])
+def test_after_the_daemon_died_the_unit_leaves_keeper_and_workers_running(tmp_path, result):
+    """systemd also runs ExecStop= after the main process died on its own (SIGKILL, a
+    crash, an exit), with $MAINPID unset. Then the keeper keeps the weights and the API
+    socket and the workers keep serving, for the daemon that Restart=on-failure starts to
+    take back without a load: nothing is stopped."""
+    assert run_exec_stop(tmp_path, SERVICE_RESULT=result, EXIT_CODE="killed", EXIT_STATUS="KILL") is None
+
+
+def test_only_the_daemon_is_signalled_and_a_crash_restarts_it():
+    """KillMode=process: systemd's SIGTERM/SIGKILL reach the daemon alone (a SIGTERM drains
+    as `preload stop` does); the keeper and the workers outlive a crashed daemon."""
+    s = service_section()
+    assert (s["KillMode"], s["Restart"], s["RuntimeDirectoryPreserve"]) == ("process", "on-failure", "restart")
+    assert re.search(r"\bstop\b", s["ExecStop"]) and "MAINPID" in s["ExecStop"]
 
 
 def test_the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops(tiny_checkpoint, tmp_path):

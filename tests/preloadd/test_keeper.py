@@ -108,6 +108,23 @@ def test_a_daemon_with_other_settings_lets_the_kept_weights_go_and_retires_the_o
     assert daemon_processes(state_dir) == []
 
 
+def test_a_daemon_on_another_port_retires_the_orphans_serving_the_old_one(tiny_checkpoint, tmp_path):
+    """Clients now come to the new port: an orphan adopted on the old one would leave the
+    new port with nobody behind it."""
+    old_port, new_port, state_dir = free_port(), free_port(), tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, *start_args(old_port)) as first:
+        [worker] = first.status()["workers"]
+        kill_daemon(first)
+        with running_daemon(state_dir, tiny_checkpoint, *start_args(new_port)) as second:
+            assert wait_for(lambda: dead(worker["pid"]), timeout=30), "the orphan of the old port was adopted"
+            ws = wait_for(lambda: ready_workers(second), timeout=60)
+            assert ws and ws[0]["pid"] != worker["pid"]
+            r = httpx.post(api(new_port) + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert f"retires: it serves ['127.0.0.1', {old_port}]" in (state_dir / "daemon.log").read_text()
+    assert daemon_processes(state_dir) == []
+
+
 def test_without_a_keeper_the_weights_go_with_the_daemon(tiny_checkpoint, tmp_path):
     state_dir = tmp_path / "state"
     with running_daemon(state_dir, tiny_checkpoint, "--no-keeper") as d:

@@ -436,25 +436,62 @@ def test_client_disconnect_mid_stream_frees_sequence_and_blocks(worker, vocab, c
 
 
 def test_clients_that_give_up_on_whole_responses_free_their_sequences(worker, vocab, ctx):
-    """Not streamed: the server hears the client leave (within its 0.25 s poll) and aborts,
-    as it does for a stream; nothing runs on for nobody."""
-    itl = "preload_time_per_output_token_seconds_count"
-    before = total(worker.metrics(), itl)
+    """Not streamed: the server hears the client leave (uvicorn's http.disconnect, awaited,
+    not polled for) and aborts, as it does for a stream: the sequences' blocks are free
+    within a step or two of the clients leaving (issue 13); nothing runs on for nobody.
+    Three rounds of 8 clients that give up once their sequences decode."""
+    tpot = "preload_time_per_output_token_seconds"
     max_tokens = min(1000, ctx - 20)
 
-    async def give_up():
-        async with httpx.AsyncClient(base_url=worker.url, timeout=1.0) as c:
-            tries = [c.post("/v1/completions", json=greedy(ids(8, 600 + i, vocab), max_tokens)) for i in range(8)]
-            return await asyncio.gather(*tries, return_exceptions=True)
-
-    assert all(isinstance(r, httpx.TimeoutException) for r in asyncio.run(give_up()))
-
-    def settled():
-        m = worker.metrics()
+    def settled(m: dict) -> bool:
         return total(m, "preload_kv_blocks_used") == 0 and total(m, "preload_num_requests_running") == 0
 
-    assert wait_for(settled, timeout=10), worker.metrics()
-    assert total(worker.metrics(), itl) - before < 8 * max_tokens / 2  # aborted early, not run to the end
+    async def give_up(probe: httpx.AsyncClient, seed: int) -> tuple[float, float]:
+        """(seconds from the clients leaving to their blocks seen free, a decode step's seconds)."""
+
+        async def scrape() -> dict:
+            return metrics((await probe.get("/metrics")).text)
+
+        m0 = await scrape()
+        c = httpx.AsyncClient(base_url=worker.url, timeout=60, limits=httpx.Limits(max_connections=8))
+        tries = [asyncio.create_task(c.post("/v1/completions", json=greedy(ids(8, seed + i, vocab), max_tokens)))
+                 for i in range(8)]
+
+        def since_m0(m: dict, suffix: str) -> float:
+            return total(m, tpot + suffix) - total(m0, tpot + suffix)
+
+        m = await scrape()
+        while total(m, "preload_num_requests_running") < 8 or since_m0(m, "_count") < 8 * 4:  # all decoding
+            assert not any(t.done() for t in tries), [t.result() for t in tries if t.done()]
+            await asyncio.sleep(0.01)
+            m = await scrape()
+        assert total(m, "preload_kv_blocks_used") > 0
+        step = since_m0(m, "_sum") / since_m0(m, "_count")  # the time between a sequence's tokens: a step's, about
+        left = time.monotonic()
+        for t in tries:  # the clients give up: their connections close
+            t.cancel()
+        await asyncio.gather(*tries, return_exceptions=True)
+        await c.aclose()
+        while not settled(await scrape()) and time.monotonic() - left < 10:
+            pass
+        return time.monotonic() - left, step
+
+    async def rounds() -> list[tuple[float, float]]:
+        async with httpx.AsyncClient(base_url=worker.url, timeout=60) as probe:
+            return [await give_up(probe, 600 + 10 * r) for r in range(3)]
+
+    results = asyncio.run(rounds())
+    assert settled(worker.metrics()), worker.metrics()
+    freed = sorted(f for f, _ in results)
+    step = statistics.median(s for _, s in results)
+    shown = f"blocks freed {[round(f * 1e3) for f in freed]} ms after the clients left; a step: {step * 1e3:.1f} ms"
+    print(shown)
+    # A step to finish, one to see the aborts, and the scrape that sees them: 13-99 ms on 2
+    # busy CPU cores (0.1 s allowed at least). Polling for the disconnect every 0.25 s, as
+    # this worker did, took 73-284 ms (medians 151-220 ms).
+    assert freed[1] < max(0.1, 3 * step) and freed[-1] < 0.5, shown
+    # And the worker keeps serving.
+    assert ok(worker.post("/v1/completions", greedy([FIRST_ID], 3)))["usage"]["completion_tokens"] == 3
 
 
 def test_health_answers_fast_while_16_long_generations_run(worker, vocab, ctx):

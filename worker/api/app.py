@@ -1,9 +1,11 @@
 """The worker's HTTP app: the OpenAI-compatible routes (completions.py, chat.py,
 tokens.py), the probes (probes.py), error bodies (errors.py) and `Accounting`, which counts responses,
-names ignored fields and, while the worker drains, closes each connection after its response."""
+names ignored fields and closes each connection after its response while the worker drains, or
+once the connection has served a few seconds (keep-alive clients then spread over every worker)."""
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -18,16 +20,23 @@ from preload.worker.api.state import WorkerState
 from preload.worker.engine.async_engine import AsyncEngine
 
 HEADER_SAFE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-CONNECTION_AGE = 10.0  # seconds a keep-alive connection serves before the worker closes it
+# The most seconds a keep-alive connection serves before the worker closes it (after a
+# response, with `connection: close`); each connection's own limit is drawn between half
+# of this and this, so that connections opened together (every client of a killed worker
+# reconnects at once) do not close together. Small, so that a replaced worker has
+# keep-alive clients again within a few seconds; a reconnect costs a TCP handshake.
+CONNECTION_AGE = 3.0
 
 
 class Accounting:
     """Every response: counted by route template and status, the request fields it
     ignored named in x-ignored-fields (set by Serving.admit), and `connection: close` while
-    the worker drains, or once its keep-alive connection is CONNECTION_AGE old: the
-    client's next request then goes through the daemon's socket to whichever worker
-    accepts, so keep-alive clients spread over a replaced worker too instead of staying on
-    the survivors.
+    the worker drains, or once its keep-alive connection has served for its age (see
+    CONNECTION_AGE): the client's next request then goes, on a new connection, through
+    the daemon's socket to whichever worker accepts, so keep-alive clients spread over a
+    replaced worker too instead of staying on the survivors. Only ever after a whole
+    response: HTTP clients open a new connection for their next request, no request is
+    cut off.
 
     Plain ASGI, not an `@app.middleware("http")`: that kind hands the endpoints a receive
     that never reports the client's disconnect, so a request whose client gave up before
@@ -35,20 +44,24 @@ class Accounting:
 
     def __init__(self, app, metrics: WorkerMetrics, state: WorkerState):
         self.app, self.metrics, self.state = app, metrics, state
-        self.connections: dict[tuple, float] = {}  # client address -> when its connection was first seen
+        self.deadlines: dict[tuple, float] = {}  # client address -> when its connection is to close
+        self.swept = time.monotonic()
 
     def _too_old(self, client: tuple | None) -> bool:
-        """Whether this keep-alive connection has served long enough (then forgotten: the
-        client's next connection starts anew; entries of connections gone age out too)."""
+        """Whether this keep-alive connection has served its age (then forgotten: the
+        client's next connection starts anew). Entries of connections that went away
+        otherwise are swept once they are an age past their deadline."""
         if client is None:
             return False
         now = time.monotonic()
-        if len(self.connections) > 4096:
-            self.connections = {c: t for c, t in self.connections.items() if now - t < 2 * CONNECTION_AGE}
-        since = self.connections.setdefault(tuple(client), now)
-        if now - since < CONNECTION_AGE:
+        if now - self.swept > CONNECTION_AGE:
+            self.swept = now
+            self.deadlines = {c: t for c, t in self.deadlines.items() if now - t < CONNECTION_AGE}
+        key = tuple(client)
+        deadline = self.deadlines.setdefault(key, now + random.uniform(CONNECTION_AGE / 2, CONNECTION_AGE))
+        if now < deadline:
             return False
-        del self.connections[tuple(client)]
+        del self.deadlines[key]
         return True
 
     async def __call__(self, scope, receive, send):

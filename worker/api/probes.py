@@ -1,5 +1,5 @@
-"""What probes and dashboards read: /health (and /ping, its alias in vLLM), /metrics,
-/version, /v1/models."""
+"""What probes and dashboards read: /health (and /ping, its alias in vLLM), /status,
+/metrics, /version, /v1/models."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ async def health(request: Request):
 async def ping(request: Request):
     """As /health: SageMaker-style load balancers ask /ping."""
     return await health(request)
+
+
+@router.get("/status")
+async def status(request: Request):
+    """The phase, and where the weights come from: the daemon's, or loaded by this worker
+    itself because no daemon answered (what an operator must not miss)."""
+    s = serving(request)
+    return {"status": s.state.phase if s.engine.alive else "engine failed", "model": s.model_name,
+            "weights": s.state.weights, "weights_note": s.state.weights_note}
 
 
 @router.get("/version")

@@ -1,4 +1,5 @@
-"""The worker's phase, which /health reports: starting -> ready -> draining."""
+"""The worker's phase, which /health reports: starting -> ready -> draining; and where
+its weights come from, which /status reports."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from dataclasses import dataclass, field
 class WorkerState:
     phase: str = "starting"
     started: float = field(default_factory=time.monotonic)
+    # "attached" (the daemon's, zero-copy) or "in-process" (no daemon answered: serve's
+    # fallback, a copy of the weights of its own); `weights_note` says which daemon, or why not.
+    weights: str = "attached"
+    weights_note: str = ""
 
     @property
     def serving(self) -> bool:

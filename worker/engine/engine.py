@@ -66,6 +66,9 @@ class Engine:
             raise ValueError("kv_cache_memory is None (auto): resolve it to a number of bytes first")
         spec = SpecConfig.parse(config.speculative_config)
         check_drafter(spec, model, draft)
+        if spec is not None and config.logits_processors:  # (drafts are judged on the model's own logits)
+            raise ValueError("--logits-processors and --speculative-config together: the drafts and their"
+                             " acceptance would skip the processors; choose one")
         mtp = spec is not None and spec.method == "mtp"
         layers = model.num_cache_layers if mtp else cfg.num_layers  # the MTP layer's latents: one layer more
         per_block = config.block_size * bytes_per_token(cfg, layers, dtype, config.kv_cache_dtype)

@@ -1,6 +1,6 @@
 """Custom logits processors: the operator's code, applied to every request's logits.
 
-An operator names processors when the worker starts (`--logits-processor
+An operator names processors when the worker starts (`--logits-processors
 module:Class`, repeatable, optionally `module:Class={"json": "args"}`); never a request,
 which could otherwise run code of its choosing (a request's `logits_processors` field is
 refused). The interface:
@@ -16,7 +16,7 @@ the order given, before the request's own steering (logit_bias, penalties, gramm
 sampling; the log-probs a request asks for stay the model's. A processor that raises
 fails the step's sequences, not the worker (the engine then tries each row alone).
 
-`BanTokens` is the example: `--logits-processor
+`BanTokens` is the example: `--logits-processors
 'preload.worker.engine.logits_processors:BanTokens={"token_ids": [13, 42]}'`.
 """
 
