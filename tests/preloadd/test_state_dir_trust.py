@@ -23,7 +23,12 @@ from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
 
 def start(state_dir, model):
-    return preload("start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", "0")
+    """`preload start`, meant to be refused: a daemon it started anyway (the test then fails
+    on the exit status) is stopped, not left running."""
+    r = preload("start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", "0")
+    if r.returncode == 0:
+        preload("stop", "--state-dir", str(state_dir))
+    return r
 
 
 def test_a_symlinked_state_dir_is_refused_and_its_target_left_alone(tiny_checkpoint, tmp_path):
