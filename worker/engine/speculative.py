@@ -154,10 +154,12 @@ class Drafter:
         catch, offset = [], 0  # (sequence, start, rows the drafter reads, offset in hidden, decodes next)
         for seq, start, n in spans:
             m = seq.computed - start  # positions start..computed-1 hold the target's latents now
-            if m > 0 and not seq.finished and speculates(seq):
+            # Every sequence's, drafting or not: its full blocks may be shared (the prefix cache)
+            # with one that drafts, which then needs the drafter's latents of them too.
+            if m > 0 and not seq.finished:
                 # The MTP layer at position i reads the token at i+1; a draft model reads position
                 # i's own token, so it also reads the pending one, at `computed`, if it is to draft.
-                decodes = seq.pending == 1 and (self.mtp or self._room(seq, seq.computed))
+                decodes = speculates(seq) and seq.pending == 1 and (self.mtp or self._room(seq, seq.computed))
                 catch.append((seq, start, m + (decodes and not self.mtp), offset, decodes))
             offset += n
         if not catch:

@@ -63,6 +63,24 @@ def test_with_prefix_cache_hits_and_stops_mid_draft(plain):
     assert [g.token_ids for g in llm.generate(prompts, max_tokens=60)] == [w.token_ids for w in free]
 
 
+def test_drafts_after_prefix_hits_are_as_good_whoever_filled_the_blocks():
+    """A drafting request whose prompt hits blocks that a request without drafts filled (it
+    asked for log-probs) drafts from the drafter's latents of them as well: it has as many
+    drafts accepted as after blocks a drafting request filled."""
+    system = list(range(300, 364))  # four full blocks of 16
+
+    def accepted_after(**filler) -> int:
+        llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(3, enable_prefix_caching=True))
+        llm.generate([system + [1]], max_tokens=2, ignore_eos=True, **filler)
+        before = llm.engine.stats().spec_accepted_tokens
+        llm.generate([system + [2, 3]], max_tokens=24, ignore_eos=True)
+        s = llm.engine.stats()
+        assert s.prefix_hit_tokens >= len(system)
+        return s.spec_accepted_tokens - before
+
+    assert accepted_after(logprobs=1) == accepted_after() > 0
+
+
 def test_requests_that_cannot_speculate_run_beside_those_that_do(plain):
     llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(2))
     kinds = [dict(logprobs=2), dict(repetition_penalty=1.3), dict()]
