@@ -4,7 +4,8 @@
 Everything is measured on this machine in one run, so the ratios compare like with like:
 1. read every *.safetensors file fully with large sequential reads into one reusable
    buffer, once "cold-ish" (whatever the page cache holds; `evict=True` drops the files
-   from it first) and then `repeat` times warm;
+   from it first) and then `repeat` times warm; then `cat` them `repeat` times (the
+   targets' reference) and time `python -c 'import torch'` as often;
 2. for each quant mode, `repeat` times (after one unrecorded warm-up launch): run the
    real `preload start` (with `workers` workers, if any: it returns once they are
    ready) until it exits 0, sampling the memory of its process tree every 20 ms; read
@@ -70,6 +71,21 @@ def evict_from_page_cache(files: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def cat_files(files: list[Path]) -> float:
+    """Seconds `cat` takes to read the files (to /dev/null): the reference the cold-start
+    targets are stated against."""
+    t = time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t
+
+
+def import_torch() -> float:
+    """Seconds `python -c 'import torch'` takes: what a start pays before any of its own work."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - t
 
 
 def read_files(files: list[Path], buffer: bytearray) -> tuple[float, int]:
@@ -220,6 +236,10 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
         "warm": {"runs_s": warm, **quantiles(warm), "gb_per_s": nbytes / warm_s / 1e9},
     }
     del buffer
+    cat = [cat_files(files) for _ in range(max(repeat, 1))]
+    result["cat_files"] = {"runs_s": cat, **quantiles(cat)}
+    torch_s = [import_torch() for _ in range(max(repeat, 1))]
+    result["import_torch"] = {"runs_s": torch_s, **quantiles(torch_s)}
 
     # 2. `preload start` to ready, per quant mode, files warm.
     if warmup and quants:
@@ -232,6 +252,8 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
             progress(f"preload start --quant {quant} ({i + 1}/{repeat})")
             runs.append(run_start(model, quant, device, workers))
         starts[quant] = summarize_starts(runs, warm_s, first_s)
+        starts[quant]["ratio_ready_over_cat"] = starts[quant]["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
+        starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
     result["start"] = starts
     if transformers:
         runs = []
@@ -318,6 +340,9 @@ def format_table(result: dict) -> str:
         + f"), warm {_dur(warm['p50'])} ({warm['gb_per_s']:.2f} GB/s)",
         f"everything below ran with the files warm in the page cache; times are medians of {result['repeat']} run(s)",
     ]
+    if "cat_files" in result:  # (results from before these were taken have neither)
+        lines.append(f"`cat` of the files {_dur(result['cat_files']['p50'])}; `python -c 'import torch'`"
+                     f" {_dur(result['import_torch']['p50'])}")
     runs = [r for s in result["start"].values() for r in s["runs"]]
     spawned = [r["daemon_spawned_s"] for r in runs if r["daemon_spawned_s"] is not None]
     port = [r["port_open_s"] for r in runs if r["port_open_s"] is not None]
@@ -335,6 +360,12 @@ def format_table(result: dict) -> str:
                           f"{s['arena_bytes'] / MiB:.1f}", f"{s['daemon_hwm'] / MiB:.0f}",
                           f"{s['load_growth_anon'] / MiB:.0f}", f"{s['load_growth_file'] / MiB:.0f}",
                           f"{s['stop_s']['p50']:.3f}"), widths))
+    for quant, s in result["start"].items():
+        if "ratio_ready_over_cat" in s:
+            lines.append(f"{quant + ' vs cat':15}  ready {_ratio(s['ratio_ready_over_cat'])}, load"
+                         f" {_ratio(s['ratio_load_over_cat'])} the time `cat` takes; ready - load"
+                         f" {s['start_to_ready_s']['p50'] - s['load_seconds']['p50']:.3f} s against `import torch`'s"
+                         f" {result['import_torch']['p50']:.3f} s")
     for quant, s in result["start"].items():
         stages = s.get("stage_seconds") or {}
         if stages:

@@ -146,6 +146,10 @@ def test_cold_table_from_a_recorded_run():
     for quant, s in result["start"].items():
         line = next(ln for ln in table.splitlines() if ln.startswith(quant + " "))
         assert f"{s['start_to_ready_s']['p50']:.3f}" in line
+        # against `cat` of the same files, and ready - load against `import torch` (the targets' terms)
+        versus = next(ln for ln in table.splitlines() if ln.startswith(quant + " vs cat"))
+        assert f"load {cold._ratio(s['ratio_load_over_cat'])}" in versus and f"{result['import_torch']['p50']:.3f} s" in versus
+    assert f"`cat` of the files {cold._dur(result['cat_files']['p50'])}" in table
 
 
 def test_checkpoint_reading_helpers(tmp_path):
