@@ -28,6 +28,7 @@ import uvicorn
 
 from preload.ipc.client import DaemonUnavailable
 from preload.ipc.kv_memory import KvMemory
+from preload.ipc.protocol import default_state_dir
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
 from preload.worker.api.app import create_app
@@ -187,7 +188,7 @@ def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool) -> LL
     worker still serves, said loudly in its log and /status."""
     engine = replace(opts.worker.engine, kv_cache_memory=WARM_UP_KV_BYTES)
     try:
-        llm = LLM(opts.model, state_dir=opts.state_dir, engine=engine)
+        llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine)
         state.weights_note = f"the daemon's on {llm.attached.state_dir}"
         return llm
     except DaemonUnavailable as e:
