@@ -21,11 +21,12 @@ import click
 
 from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
+from preload.ipc import protocol
 from preload.options import BUNDLED_MODEL, DaemonOptions, from_json, to_json
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
 log = logging.getLogger("preload.daemon")
-LOG_BYTES, LOG_BACKUPS = 16 << 20, 3  # daemon.log, then .1 .. .3
+LOG_BYTES, LOG_BACKUPS = protocol.LOG_BYTES, protocol.LOG_BACKUPS  # daemon.log, then .1 .. .3
 
 
 @click.command()

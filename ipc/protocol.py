@@ -35,6 +35,27 @@ def default_state_dir() -> Path:
     return Path("/run/preload") if os.getuid() == 0 else Path(f"/tmp/preload-{os.getuid()}")
 
 
+LOG_BYTES, LOG_BACKUPS = 16 << 20, 3  # a state dir's logs are rotated past this size, this many kept
+
+
+def open_log(path: Path | str) -> int:
+    """An fd appending to one of the state dir's logs (0600) that a process's stdout and
+    stderr go to (a worker's, the keeper's): such a file cannot be rotated under the
+    process writing it, so it is rotated here, as a process opens it, once past LOG_BYTES
+    (path.1 .. path.LOG_BACKUPS, the oldest dropped)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > LOG_BYTES:
+            for i in range(LOG_BACKUPS - 1, 0, -1):
+                older = path.with_name(f"{path.name}.{i}")
+                if older.exists():
+                    older.replace(path.with_name(f"{path.name}.{i + 1}"))
+            path.replace(path.with_name(f"{path.name}.1"))
+    except FileNotFoundError:
+        pass  # (a first start, or another process of the same log rotated it just now)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+
 def control_address(state_dir: Path) -> str:
     return f"ipc://{state_dir / 'control.sock'}"
 

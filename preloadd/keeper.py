@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from preload.ipc.protocol import ProtocolError, peer_credentials, recv_with_fds, send_with_fds
+from preload.ipc.protocol import ProtocolError, open_log, peer_credentials, recv_with_fds, send_with_fds
 
 log = logging.getLogger("preload.keeper")
 
@@ -88,8 +88,7 @@ class KeeperLink:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         import subprocess
 
-        with open(Path(state_dir) / "keeper.log", "ab", buffering=0) as out:
-            os.fchmod(out.fileno(), 0o600)
+        with os.fdopen(open_log(Path(state_dir) / "keeper.log"), "ab", buffering=0) as out:
             proc = subprocess.Popen([sys.executable, "-m", "preload.preloadd.keeper", str(state_dir), str(theirs.fileno())],
                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                     start_new_session=True)  # not in the daemon's process group: a ^C is the daemon's

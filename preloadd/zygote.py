@@ -36,6 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
+from preload.ipc.protocol import open_log
 from preload.options import ServeOptions, from_json, to_json
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
@@ -73,7 +74,7 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
     """Become a worker: the body of a forked (or freshly spawned) worker process."""
     from preload.worker.serve import serve_supervised
 
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = open_log(log_path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

@@ -1,6 +1,8 @@
 """daemon.log (issue 13, item 8): it rotates, so that a daemon running for months keeps
 a bounded log, and a start that fails says why in it at ERROR level, not only on the
-stderr of a `preload start` that may be long gone."""
+stderr of a `preload start` that may be long gone. The logs that processes write through
+their stdout and stderr (worker-N.log, spares.log, keeper.log) rotate as a process
+opens them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 from daemons import daemon_processes, preload, sockets_in, stop_everything
 
 from preload.cli import start
+from preload.ipc import protocol
 
 # asctime, the logger's name, the level: as _log_to formats every record
 ERROR_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} preload\.daemon ERROR (?P<message>.*)$", re.MULTILINE)
@@ -103,3 +106,25 @@ def test_a_daemon_whose_imports_fail_logs_the_cause_as_an_error(tiny_checkpoint,
     stderr, errors, log = failed_start(tmp_path / "state", "--model", tiny_checkpoint, "--health-port", "0")
     assert any("this torch is broken on purpose" in e for e in errors), log
     assert "this torch is broken on purpose" in stderr
+
+
+def test_a_log_a_process_writes_through_its_stderr_rotates_as_one_opens_it(tmp_path, monkeypatch):
+    """A worker's log is its stdout and stderr, which cannot rotate under it: each worker
+    (or keeper) that opens it rotates it first once past the limit, keeping LOG_BACKUPS."""
+    monkeypatch.setattr(protocol, "LOG_BYTES", 100)
+    log = tmp_path / "worker-0.log"
+    for start_no in range(6):  # six starts of the slot's worker, each writing 150 bytes
+        fd = protocol.open_log(log)
+        assert os.fstat(fd).st_mode & 0o777 == 0o600
+        os.write(fd, f"{start_no}".encode() * 150)
+        os.close(fd)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["worker-0.log"] + [f"worker-0.log.{i}" for i in range(1, protocol.LOG_BACKUPS + 1)], names
+    assert log.read_text() == "5" * 150  # the newest start's own, alone
+    assert (tmp_path / "worker-0.log.1").read_text() == "4" * 150
+    assert (tmp_path / f"worker-0.log.{protocol.LOG_BACKUPS}").read_text() == str(5 - protocol.LOG_BACKUPS) * 150
+    monkeypatch.setattr(protocol, "LOG_BYTES", 1000)
+    fd = protocol.open_log(log)  # under the limit: appended to, not rotated
+    os.write(fd, b"!")
+    os.close(fd)
+    assert log.read_text() == "5" * 150 + "!" and len(list(tmp_path.iterdir())) == protocol.LOG_BACKUPS + 1
