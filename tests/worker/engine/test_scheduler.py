@@ -68,12 +68,19 @@ def test_a_long_prefill_threshold_lets_short_requests_in_the_first_step():
 
 
 def test_long_chunks_grow_as_the_waiting_prefills_drain():
-    s = Scheduler(BlockManager(2000, 16), max_num_seqs=16, max_num_batched_tokens=4096,
+    """The cap is the threshold divided among the prefills waiting as a step begins: four,
+    a quarter; two, a half; none, all of it."""
+    s = Scheduler(BlockManager(2000, 16), max_num_seqs=2, max_num_batched_tokens=4096,
                   long_prefill_token_threshold=256)
-    long = seq(2000)
-    s.add(long)
-    assert step(s) == [(long, 256)]  # nobody waits: the whole threshold
-    assert step(s) == [(long, 256)]
+    a, b, c, d = (seq(600) for _ in range(4))
+    for q in (a, b, c, d):
+        s.add(q)
+    assert step(s) == [(a, 64), (b, 64)]  # four waiting; two admitted (--max-num-seqs 2)
+    assert step(s) == [(a, 128), (b, 128)]  # c and d still wait
+    for q in (a, b):
+        s.finish(q, "length")
+    assert step(s) == [(c, 128), (d, 128)]  # admitted while both still counted as waiting
+    assert step(s) == [(c, 256), (d, 256)]  # nobody waits: the whole threshold
 
 
 def test_a_preempted_sequence_goes_before_new_arrivals():
