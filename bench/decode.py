@@ -155,10 +155,9 @@ def host_profile(engine, top: int = 15) -> list[dict]:
 def replay_ms(llm, batch: int, times: int = 50) -> float | None:
     """A decode graph's replays back to back, nothing between them: the step's GPU time
     with its kernels' launch gaps, without the host's share (scheduling, sampling, copies)."""
-    graphs = llm.graphs
-    if graphs is None or not graphs.graphs:
+    graph = decode_graph(llm, batch)
+    if graph is None:
         return None
-    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
     graph.replay()  # (its inputs are the last step's: a replay reads and writes only the graph's buffers and the cache)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -172,10 +171,16 @@ def replay_ms(llm, batch: int, times: int = 50) -> float | None:
 def launch_us(llm, batch: int) -> float | None:
     """The host's time in a decode graph's launch with the GPU idle: time the GPU waits
     at every step for the host to hand it the graph (unless steps are launched ahead)."""
+    graph = decode_graph(llm, batch)
+    return host_launch_us(graph) if graph is not None else None
+
+
+def decode_graph(llm, batch: int) -> torch.cuda.CUDAGraph | None:
+    """The decode graph a step of `batch` sequences replays (None: no graphs)."""
     graphs = llm.graphs
     if graphs is None or not graphs.graphs:
         return None
-    return host_launch_us(graphs.graphs[next(s for s in graphs.sizes if s >= batch)])
+    return graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
 
 
 def host_launch_us(graph: torch.cuda.CUDAGraph, times: int = 30) -> float:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.fused_moe import _launch
-from preload.kernels.quant import Fp8Weight
+from preload.kernels.quant import Fp8Weight, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot, slices
 from preload.kernels.triton_dot import dot_dtype
 
@@ -115,8 +115,7 @@ def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, 
     block_n = block_n or (ROW_BLOCK_N if by_row else 32)
     blocks_n = triton.cdiv(n, block_n)
     splits, per = slices(triton.cdiv(k, BLOCK_K), (t if by_row else 1) * blocks_n, rows.device, splits)
-    per_tensor = w.scale_inv.shape == (1, 1)
-    scale_n, scale_k = (1 << 30, 1 << 30) if per_tensor else w.block
+    scale_n, scale_k = scale_block(w)
     if scale_k % BLOCK_K:
         raise ValueError(f"fp8 block scales of {scale_k} columns: K tiles of {BLOCK_K} must divide them")
     out = torch.empty(t, n, dtype=rows.dtype, device=rows.device)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.moe_align import align_by_expert_triton
-from preload.kernels.quant import Fp8Weight, Weight
+from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
 
 
@@ -142,13 +142,12 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
             route: torch.Tensor | None = None, rows_per_pair: bool = False) -> None:
     sorted_pairs, block_expert, padded_rows = aligned
     fp8 = isinstance(w, Fp8Weight)
-    q, scale = (w.q, w.scale_inv) if fp8 else (w, w)
-    q2, scale2 = ((w2.q, w2.scale_inv) if fp8 else (w2, w2)) if w2 is not None else (q, scale)
+    q, scale = kernel_parts(w)
+    q2, scale2 = kernel_parts(w2) if w2 is not None else (q, scale)
     _, n, k = q.shape
     config = tile_config(block_m, pairs, fp8)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
-    # A per-tensor scale is one block as large as any matrix (and bf16 weights have none).
-    scale_n, scale_k = w.block if fp8 and scale.shape[1:] != (1, 1) else (1 << 30, 1 << 30)
+    scale_n, scale_k = scale_block(w)
     if scale_k % block_k:
         raise ValueError(f"fp8 block scales of {scale_k} columns: blocks of {block_k} must divide them")
     grid = (sorted_pairs.numel() // block_m, triton.cdiv(n, block_n))

@@ -120,7 +120,8 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
         from preload.kernels.fused_moe import fused_moe
         from preload.kernels.moe_decode import fits, moe_decode
 
-        if fits(x.shape[0], *stacked(), shared):
-            return moe_decode(x, ids, weights, *stacked(), shared)
-        y = fused_moe(x, ids, weights, *stacked())
+        gate, up, down = stacked()
+        if fits(x.shape[0], gate, up, down, shared):
+            return moe_decode(x, ids, weights, gate, up, down, shared)
+        y = fused_moe(x, ids, weights, gate, up, down)
     return y + swiglu(x, *shared) if shared is not None else y

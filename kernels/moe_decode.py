@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from preload.kernels.quant import Fp8Weight, Weight
+from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot
 
 # Tokens up to which a step's MoE takes this path, by whether the weights are e4m3: each
@@ -111,17 +111,6 @@ def _down(
         tl.store(out_ptr + token * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(matrix, scales) of a weight; a bf16 matrix stands in for its own (unread) scales."""
-    return (w.q, w.scale_inv) if isinstance(w, Fp8Weight) else (w, w)
-
-
-def _scale_block(w: Weight) -> tuple[int, int]:
-    if not isinstance(w, Fp8Weight) or w.scale_inv.shape[-2:] == (1, 1):
-        return (1 << 30, 1 << 30)  # per tensor (or none): one block as large as any matrix
-    return w.block
-
-
 def _scale_strides(w: Weight) -> tuple[int, ...]:
     return w.scale_inv.stride() if isinstance(w, Fp8Weight) else (0,) * (w.dim())
 
@@ -134,12 +123,12 @@ def fits(tokens: int, gate: Weight, up: Weight, down: Weight, shared: tuple[Weig
     fp8 = [isinstance(w, Fp8Weight) for w in ws]
     if tokens > MAX_TOKENS[all(fp8)] or (any(fp8) and not all(fp8)):
         return False
-    if all(fp8) and len({_scale_block(w) for w in ws}) > 1:
+    if all(fp8) and len({scale_block(w) for w in ws}) > 1:
         return False
     alike = [(gate, up)] + ([shared[:2]] if shared else [])
-    if any(_parts(a)[0].stride() != _parts(b)[0].stride() or _scale_strides(a) != _scale_strides(b) for a, b in alike):
+    if any(kernel_parts(a)[0].stride() != kernel_parts(b)[0].stride() or _scale_strides(a) != _scale_strides(b) for a, b in alike):
         return False
-    return all(_parts(w)[0].stride(-1) == 1 for w in ws)
+    return all(kernel_parts(w)[0].stride(-1) == 1 for w in ws)
 
 
 def tile_config(tokens: int, fp8: bool) -> dict:
@@ -164,10 +153,10 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
     block_n, splits = config["block_n"], config["splits"]
     launch = {"SUB": config["sub"], "num_warps": config["num_warps"], "num_stages": 1}
     slots = top_k + (shared is not None)
-    (g, gs), (u, us), (d, ds) = _parts(gate), _parts(up), _parts(down)
+    (g, gs), (u, us), (d, ds) = kernel_parts(gate), kernel_parts(up), kernel_parts(down)
     sg, su, sd = shared if shared is not None else (gate, up, down)  # unread without shared experts
-    (sgq, sgs), (suq, sus), (sdq, sds) = _parts(sg), _parts(su), _parts(sd)
-    scale_n, scale_k = _scale_block(gate)
+    (sgq, sgs), (suq, sus), (sdq, sds) = kernel_parts(sg), kernel_parts(su), kernel_parts(sd)
+    scale_n, scale_k = scale_block(gate)
     if scale_k % BLOCK_K:
         raise ValueError(f"fp8 block scales of {scale_k} columns: K tiles of {BLOCK_K} must divide them")
     num, inner, dim = g.shape

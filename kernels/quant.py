@@ -73,6 +73,20 @@ class Fp8Weight:
 Weight = torch.Tensor | Fp8Weight
 
 
+def kernel_parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(matrix, scales) as the Triton kernels take a weight: a bf16 matrix stands in for
+    its own scales, which the kernel then never reads."""
+    return (w.q, w.scale_inv) if isinstance(w, Fp8Weight) else (w, w)
+
+
+def scale_block(w: Weight) -> tuple[int, int]:
+    """The (rows, columns) of one scale block as the kernels step through them: a per-tensor
+    scale (and bf16, which has none) is one block as large as any matrix."""
+    if not isinstance(w, Fp8Weight) or w.scale_inv.shape[-2:] == (1, 1):
+        return (1 << 30, 1 << 30)
+    return w.block
+
+
 def stored_layout(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """What `quantize_weight` will produce for a tensor, known before reading it, so
     the daemon can size and lay out its arena up front."""

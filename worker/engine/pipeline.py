@@ -86,12 +86,8 @@ class DecodePipeline:
             return False
         if len(seqs) > e.scheduler.max_num_active_seqs:
             return False
-        for seq in seqs:
-            p = seq.params
-            if seq.pending != 1 or seq.drafts or seq.wants_prompt_logprobs or p.steers or p.presence_penalty \
-                    or p.frequency_penalty:
-                return False
-        return True
+        return all(seq.pending == 1 and not seq.drafts and not seq.wants_prompt_logprobs and not seq.params.shapes_logits
+                   for seq in seqs)
 
     def _continues(self, flight: Flight) -> bool:
         """Whether the step after `flight` may be launched now: its draws are on the device,
@@ -105,7 +101,7 @@ class DecodePipeline:
         if any(len(seq.output) + 1 >= seq.params.max_tokens for seq in flight.seqs):  # this step's token is a last one
             return False
         blocks = sum(e.blocks.blocks_needed(seq, start + 2) for seq, start in zip(flight.seqs, flight.starts))
-        return blocks <= len(e.blocks.free) + len(e.blocks.evictable)
+        return blocks <= e.blocks.num_blocks - e.blocks.used  # (free, or cached and evictable)
 
     def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None = None) -> Flight:
         """Compute one token of each of `seqs` from `starts` (inputs: `tokens` on the device,

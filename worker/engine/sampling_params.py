@@ -69,5 +69,11 @@ class SamplingParams:
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.grammar is not None
 
     @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but temperature, top-k and top-p changes the logits before a draw:
+        steering or the OpenAI penalties (most of which read the tokens generated so far)."""
+        return self.steers or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW

@@ -86,8 +86,7 @@ def check_drafter(spec: SpecConfig | None, target, draft) -> None:
 def speculates(seq: Sequence) -> bool:
     """Whether nothing but temperature, top-k and top-p shapes this request's draws."""
     p = seq.params
-    return (p.grammar is None and not p.steers and not p.presence_penalty and not p.frequency_penalty
-            and p.logprobs is None and not p.prompt_logprobs)
+    return not p.shapes_logits and p.logprobs is None and not p.prompt_logprobs
 
 
 def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
