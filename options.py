@@ -11,16 +11,26 @@ Python value, how to show and parse it (sizes like 512MiB, "auto" for None).
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-try:
-    VERSION = version("preload")  # `preload --version`, /version
-except PackageNotFoundError:  # a source tree that was never installed
-    VERSION = "0+unknown"
+
+@functools.cache
+def version() -> str:
+    """This install's version (`preload --version`, /version): looked up when asked, since
+    importlib.metadata walks every entry of sys.path (60 ms of a daemon's start)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("preload")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 BUNDLED_MODEL = str(Path(__file__).parent / "bundled" / "tiny-v3")
 QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
 DTYPES = ("float32", "bfloat16", "float16")

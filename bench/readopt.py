@@ -53,10 +53,16 @@ class Clients(threading.Thread):
 
 
 def timed_start(state_dir: Path, model: Path, device: str, api_port: int, health_port: int):
-    t = time.perf_counter()
+    """The daemon, `preload start`'s time to exit 0, and the seconds from the launch to the
+    daemon's imports done (its Daemon object made: two interpreters started and imported)."""
+    t, wall = time.perf_counter(), time.time()
     d = start_daemon(state_dir, model, "--device", device, "--workers", 1, "--spare-workers", 0, port=health_port,
                      api_port=api_port)
-    return d, time.perf_counter() - t
+    exit_s = time.perf_counter() - t
+    before = time.time()
+    s = d.status()
+    stages = {"imports_done_s": before - s["uptime_s"] - wall}
+    return d, exit_s, stages
 
 
 def run_readopt(model: Path, device: str, repeat: int, progress=lambda msg: None) -> dict:
@@ -68,9 +74,9 @@ def run_readopt(model: Path, device: str, repeat: int, progress=lambda msg: None
     clients = None
     try:
         progress("cold start")
-        d, exit_s = timed_start(state_dir, model, device, api_port, health_port)
+        d, exit_s, stages = timed_start(state_dir, model, device, api_port, health_port)
         s = d.status()
-        result["cold"] = {"exit_s": exit_s, "load_seconds": s["load_seconds"]}
+        result["cold"] = {"exit_s": exit_s, "load_seconds": s["load_seconds"]} | stages
         fingerprint, worker = s["fingerprint"], s["workers"][0]["pid"]
         clients = Clients(api_port)
         clients.start()
@@ -79,11 +85,12 @@ def run_readopt(model: Path, device: str, repeat: int, progress=lambda msg: None
             progress(f"daemon SIGKILL and start {i + 1}/{repeat}")
             os.kill(d.pid, signal.SIGKILL)
             wait_for(lambda: not psutil.pid_exists(d.pid) or psutil.Process(d.pid).status() == psutil.STATUS_ZOMBIE)
-            d, exit_s = timed_start(state_dir, model, device, api_port, health_port)
+            d, exit_s, stages = timed_start(state_dir, model, device, api_port, health_port)
             s = d.status()
             pids = [w["pid"] for w in s["workers"]]
             result["runs"].append({"exit_s": exit_s, "load_seconds": s["load_seconds"], "readopted": s["readopted"],
-                                   "same_fingerprint": s["fingerprint"] == fingerprint, "worker_adopted": pids == [worker]})
+                                   "same_fingerprint": s["fingerprint"] == fingerprint, "worker_adopted": pids == [worker]}
+                                  | stages)
         clients.stop.set()
         clients.join(60)
         result["requests"] = {"ok": clients.ok, "failed": len(clients.failed), "first_failures": clients.failed[:3],
@@ -96,6 +103,7 @@ def run_readopt(model: Path, device: str, repeat: int, progress=lambda msg: None
     runs = result["runs"]
     result["readopt_exit_s"] = quantiles(r["exit_s"] for r in runs)
     result["readopt_load_s"] = quantiles(r["load_seconds"] for r in runs)
+    result["readopt_imports_done_s"] = quantiles(r["imports_done_s"] for r in runs)
     return finish(result, t0)
 
 
@@ -110,6 +118,9 @@ def format_table(result: dict) -> str:
                      widths))
     lines.append(row(("after SIGKILL, max", sec(result["readopt_exit_s"]["max"]), sec(result["readopt_load_s"]["max"])),
                      widths))
+    if "readopt_imports_done_s" in result:  # (recorded before it was)
+        lines.append(f"after SIGKILL, p50: the daemon's imports done {sec(result['readopt_imports_done_s']['p50'])} s"
+                     " after `preload start` began")
     lines += ["", f"re-adopted {sum(r['readopted'] for r in runs)}/{len(runs)}, same fingerprint "
                   f"{sum(r['same_fingerprint'] for r in runs)}/{len(runs)}, worker taken over "
                   f"{sum(r['worker_adopted'] for r in runs)}/{len(runs)}; requests: {req['ok']} answered, "

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from preload.options import DTYPES
+
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3"}
 
 
@@ -192,3 +194,12 @@ def _parse_fp8(qc: dict[str, Any] | None) -> tuple[int, int] | None:
         raise ConfigError(f"unsupported quantization_config {qc!r}; supported: DeepSeek fp8 e4m3 block scales")
     block = qc.get("weight_block_size") or [128, 128]
     return int(block[0]), int(block[1])
+
+
+def weights_dtype(dtype: str | None, device_type: str, cfg: ModelConfig) -> str:
+    """The dtype name the weights are held in: an explicit one wins; otherwise bfloat16 on
+    GPUs and the checkpoint's own dtype on CPU."""
+    name = dtype or ("bfloat16" if device_type == "cuda" else cfg.torch_dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} not supported; choose one of {', '.join(DTYPES)}")
+    return name

@@ -18,13 +18,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from blake3 import blake3
 
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.reader import CheckpointError, iter_checkpoint
 from preload.checkpoint.tokenizer import TOKENIZER_FILES
+
+if TYPE_CHECKING:  # (imported where tensors are read: a daemon that re-adopts checks a record without torch)
+    import torch
 
 AUX_FILES = ("config.json", *TOKENIZER_FILES)
 FORMAT = 2  # of digests, records and fingerprints
@@ -36,6 +38,8 @@ class IdentityError(ValueError):
 
 
 def tensor_digest(tensor: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str:
+    import torch
+
     data = [t.contiguous().view(torch.uint8).numpy() for t in (tensor, scale_inv) if t is not None]
     h = blake3(max_threads=blake3.AUTO if sum(d.nbytes for d in data) >= PARALLEL_BYTES else 1)
     for t, d in zip((t for t in (tensor, scale_inv) if t is not None), data):  # (releases the GIL)
@@ -119,6 +123,8 @@ def verify_checkpoint(model_dir: str | Path, record: Record) -> None:
             stale |= entry.tensors
     if not stale:
         return
+    from preload.checkpoint.reader import CheckpointError, iter_checkpoint
+
     cfg = ModelConfig.from_dir(model_dir)
     try:
         for src in iter_checkpoint(model_dir, cfg):

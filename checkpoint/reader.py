@@ -13,12 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.config import ModelConfig, weights_dtype
 from preload.checkpoint.pages import populate
 from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 from preload.kernels.fp8 import FP8
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
-from preload.options import DTYPES
 
 
 class CheckpointError(ValueError):
@@ -161,11 +160,8 @@ def load_checkpoint(
 
 
 def resolve_dtype(dtype: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
-    """Explicit dtype wins; otherwise bf16 on GPUs and the checkpoint's own dtype on CPU."""
-    name = dtype or ("bfloat16" if device.type == "cuda" else cfg.torch_dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} not supported; choose one of {', '.join(DTYPES)}")
-    return getattr(torch, name)
+    """config.weights_dtype as a torch dtype."""
+    return getattr(torch, weights_dtype(dtype, device.type, cfg))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer as _HFTokenizer
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -18,6 +16,8 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     def __init__(self, tokenizer_json: str, config: dict):
         """From the text of tokenizer.json and the parsed tokenizer_config.json."""
+        from tokenizers import Tokenizer as _HFTokenizer  # (here: the daemon needs this module's file names only)
+
         self.hf = _HFTokenizer.from_str(tokenizer_json)  # the tokenizers library's own (streaming decoders step it)
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))

@@ -8,8 +8,6 @@ import os
 
 import click
 
-from preload.options import VERSION
-
 # Idle OpenMP threads that spin make every engine step many times slower when other
 # processes share the cores (workers, the zygote, tests): let them sleep instead. Set
 # before anything imports torch; children (daemon, zygote, workers) inherit it.
@@ -43,7 +41,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup)
-@click.version_option(VERSION, prog_name="preload")
+@click.version_option(package_name="preload", prog_name="preload")
 def main() -> None:
     """preload: DeepSeek-family MoE weights loaded once, engine workers attached zero-copy."""
 

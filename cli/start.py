@@ -22,7 +22,9 @@ import click
 from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
 from preload.ipc import protocol
+from preload.ipc.devices import cuda_device_count
 from preload.options import BUNDLED_MODEL, DaemonOptions, from_json, to_json
+from preload.preloadd.keeper import KEEPER_SOCK
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
 log = logging.getLogger("preload.daemon")
@@ -43,7 +45,10 @@ def start(foreground, **params):
 
 
 def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
-    read_ahead(Path(options.model or BUNDLED_MODEL))  # first: the imports below take a second or more
+    if not (options.state_dir / KEEPER_SOCK).exists():  # (else a keeper likely holds the weights: no read follows)
+        read_ahead(Path(options.model or BUNDLED_MODEL))  # first: the imports below take a second or more
+    if options.device != "cpu":  # the CUDA driver's start (0.2 s on an H200 host) overlaps them too
+        threading.Thread(target=cuda_device_count, name="cuinit", daemon=True).start()
     from setproctitle import setproctitle
 
     setproctitle(f"preload daemon --state-dir {options.state_dir}")  # what `ps` shows (its argv is JSON)

@@ -8,23 +8,26 @@ same shape whatever the transport:
 - worker side: `base` (the arena as a flat uint8 tensor), `close()`.
 
 Transports: `memfd` (host memory, ipc/memfd.py) and the CUDA transports `cuda-vmm` and
-`cuda-ipc` (ipc/cuda.py, imported only for CUDA devices).
+`cuda-ipc` (ipc/cuda.py), each imported when used: they import torch, and a daemon that
+takes its weights back from a keeper (HeldArena) must not wait for that.
 """
 
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from preload.ipc.layout import ArenaError
 from preload.ipc.manifest import ArenaInfo
-from preload.ipc.memfd import MappedArena, MemfdArena
 from preload.options import TRANSPORTS
 
+if TYPE_CHECKING:  # the transports import it: a daemon that only holds an arena (HeldArena) never does
+    import torch
 
-def default_transport(device: torch.device) -> str:
-    return "cuda-vmm" if device.type == "cuda" else "memfd"
+
+def default_transport(device: str) -> str:
+    """For a device name ("cpu", "cuda", "cuda:N")."""
+    return "cuda-vmm" if device.startswith("cuda") else "memfd"
 
 
 def create_arena(transport: str, size: int, device: torch.device):
@@ -34,6 +37,8 @@ def create_arena(transport: str, size: int, device: torch.device):
     if (transport == "memfd") != (device.type == "cpu"):
         raise ArenaError(f"transport {transport} cannot hold weights on {device}")
     if transport == "memfd":
+        from preload.ipc.memfd import MemfdArena
+
         return MemfdArena(size)
     from preload.ipc.cuda import IpcArena, VmmArena
 
@@ -44,6 +49,8 @@ def map_arena(info: ArenaInfo, fds: list[int]):
     """The worker side: an object whose `base` is the arena as a flat uint8 tensor."""
     transport = info.transport
     if transport == "memfd":
+        from preload.ipc.memfd import MappedArena
+
         return MappedArena(info, fds)
     if transport in ("cuda-vmm", "cuda-ipc") and info.device is not None:
         from preload.ipc.cuda import IpcMapping, VmmMapping

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from preload.ipc.devices import driver as _cu
 from preload.ipc.layout import ArenaError, TensorEntry, check_planned
 from preload.ipc.manifest import ArenaInfo
 
@@ -56,16 +57,6 @@ class CUmemAccessDesc(ctypes.Structure):
 
 class CUipcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # bytes, not a C string: NULs included
-
-
-_driver = None
-
-
-def _cu():
-    global _driver
-    if _driver is None:
-        _driver = ctypes.CDLL("libcuda.so.1")
-    return _driver
 
 
 def _check(result: int, call: str) -> None:

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import torch
 
-from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.reader import resolve_device, resolve_dtype
+from preload.checkpoint.config import ModelConfig, weights_dtype
 from preload.ipc.arena import HeldArena, default_transport
+from preload.ipc.devices import gpu_uuid, resolve_device_name
 from preload.ipc.protocol import ProtocolError, fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
@@ -31,10 +30,10 @@ from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
-from preload.preloadd.loader import Loaded, LoadError, Progress, kept_manifest, load
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
 from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, prepare_state_dir, write_private_json
 from preload.preloadd.supervisor import Supervisor
+from preload.preloadd.weights import Loaded, LoadError, Progress, kept_manifest
 
 log = logging.getLogger("preload.daemon")
 
@@ -45,21 +44,22 @@ class DaemonError(RuntimeError):
 
 @dataclass(frozen=True)
 class Resolved:
-    """The daemon's options with every `auto` decided for this machine."""
+    """The daemon's options with every `auto` decided for this machine, by name: torch is
+    imported only to load (a daemon that takes its weights back from a keeper never does)."""
 
     model: Path
-    device: torch.device
-    dtype: torch.dtype
+    device: str  # "cpu", "cuda" or "cuda:N", as torch prints it
+    dtype: str  # of the weights before quantization: "bfloat16", ...
     transport: str
     spares: int
 
     @classmethod
     def of(cls, o: DaemonOptions) -> Resolved:
         model = Path(o.model or BUNDLED_MODEL).absolute()
-        device = resolve_device(o.device)
-        dtype = resolve_dtype(None if o.dtype == "auto" else o.dtype, device, ModelConfig.from_dir(model))
+        device = resolve_device_name(o.device)
+        dtype = weights_dtype(None if o.dtype == "auto" else o.dtype, device.partition(":")[0], ModelConfig.from_dir(model))
         transport = default_transport(device) if o.transport == "auto" else o.transport
-        spares = o.spare_workers if o.spare_workers is not None else int(device.type == "cuda" and o.workers > 0)
+        spares = o.spare_workers if o.spare_workers is not None else int(device != "cpu" and o.workers > 0)
         return cls(model, device, dtype, transport, spares)
 
 
@@ -123,8 +123,10 @@ class Daemon:
     def room_for(self, kv_cache_bytes: int) -> bool:
         """Whether one more KV cache of this size fits on the device within the
         utilization the workers were given (host memory is not budgeted)."""
-        if self.r.device.type != "cuda":
+        if self.r.device == "cpu":
             return True
+        import torch  # (on the supervisor's thread, once a worker is to start: never on the way to ready)
+
         free, total = torch.cuda.mem_get_info(self.r.device)
         return free - kv_cache_bytes >= (1 - self.opts.worker.engine.gpu_memory_utilization) * total
 
@@ -148,11 +150,11 @@ class Daemon:
             "pid": os.getpid(),
             "model": str(r.model),
             "quant": o.quant,
-            "dtype": str(r.dtype).removeprefix("torch."),
-            "device": str(r.device),
+            "dtype": r.dtype,
+            "device": r.device,
             "transport": r.transport,
             "state_dir": str(o.state_dir),
-            "bytes_per_device": {str(r.device): self.loaded.arena.size if self.loaded else 0},
+            "bytes_per_device": {r.device: self.loaded.arena.size if self.loaded else 0},
             "fingerprint": self.loaded.manifest.fingerprint if self.loaded else None,
             "readopted": self.readopted,
             "keeper_pid": self.keeper.pid if self.keeper else None,
@@ -178,11 +180,13 @@ class Daemon:
         lock = PidLock(o.state_dir / "daemon.lock", f"state dir {o.state_dir}")
         gpu_lock = http = api = None
         try:
-            if r.device.type == "cuda":
-                gpu_lock = device_lock(str(r.device), torch.cuda.get_device_properties(r.device).uuid)
+            if r.device != "cpu":
+                gpu_lock = device_lock(r.device, gpu_uuid(r.device))
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
             kept = self._take_kept()  # what a keeper of a dead daemon of this state dir holds
+            if kept is None:  # a load follows: torch now, before the zygote's own import competes for the cores
+                import torch  # noqa: F401
             http = HttpServer(make_app(self.status, self.metrics), self._listen("health", o.health_host, o.health_port))
             # The API socket is bound now (or was kept open all along), so that clients queue in its backlog
             # from the start.
@@ -314,7 +318,12 @@ class Daemon:
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
-        self._loaded(load(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress))
+        import torch
+
+        from preload.preloadd.loader import load
+
+        self._loaded(load(r.model, o.quant, getattr(torch, r.dtype), torch.device(r.device), r.transport, self.progress,
+                          on_progress))
 
     def _readopt(self, link: KeeperLink, kept: Kept) -> bool:
         """Own the weights a keeper held through a crash, if they are what we would load
@@ -347,7 +356,7 @@ class Daemon:
         self.loaded = loaded
         self.manifest_wire = loaded.manifest.to_wire()
         self.metrics.load_seconds.set(self.progress.seconds)
-        self.metrics.resident_bytes.labels(str(self.r.device)).set(loaded.arena.size)
+        self.metrics.resident_bytes.labels(self.r.device).set(loaded.arena.size)
 
     def _on_error(self) -> None:
         self.errors += 1

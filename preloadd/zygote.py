@@ -145,14 +145,17 @@ def main() -> None:
     # What the imports built lives as long as we do: out of the collector's sight, a
     # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
     gc.freeze()
-    send(control, {"ready": True, "pid": os.getpid()})
-    while True:
-        msg, _ = receive(control)
-        if msg is None:  # the daemon closed its end
-            return
-        pid, link = fork_worker(spec, msg["slot"], listen_fd, control)
-        send(control, {"pid": pid}, [link.fileno()])
-        link.close()
+    try:
+        send(control, {"ready": True, "pid": os.getpid()})
+        while True:
+            msg, _ = receive(control)
+            if msg is None:  # the daemon closed its end
+                return
+            pid, link = fork_worker(spec, msg["slot"], listen_fd, control)
+            send(control, {"pid": pid}, [link.fileno()])
+            link.close()
+    except (BrokenPipeError, ConnectionResetError):  # the daemon died (the next one starts its own zygote)
+        print("preload zygote: the daemon is gone; exiting", file=sys.stderr)
 
 
 # ---- in the daemon --------------------------------------------------------------------------

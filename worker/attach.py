@@ -10,9 +10,9 @@ import torch
 
 from preload.ipc.arena import map_arena
 from preload.ipc.client import DaemonClient, DaemonUnavailable
-from preload.ipc.layout import tensor_views
 from preload.ipc.manifest import FILE_PREFIX, Manifest
 from preload.ipc.protocol import default_state_dir
+from preload.ipc.views import tensor_views
 
 
 class AttachedWeights(Mapping[str, torch.Tensor]):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from daemons import running_daemon
 
-import preload.checkpoint.identity as identity
+import preload.checkpoint.reader as reader
 from preload import LLM
 from preload.checkpoint.identity import IdentityError, verify_checkpoint
-from preload.preloadd.loader import Progress, load
+from preload.preloadd.loader import load
+from preload.preloadd.weights import Progress
 
 CHANGED = "model.layers.1.mlp.experts.5.down_proj.weight"
 
@@ -57,13 +58,13 @@ def change_one_value(model: Path, tensor: str, index: int = 7) -> None:
 
 def calls_to_iter_checkpoint(monkeypatch) -> list:
     calls = []
-    real = identity.iter_checkpoint
+    real = reader.iter_checkpoint
 
     def counting(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(identity, "iter_checkpoint", counting)
+    monkeypatch.setattr(reader, "iter_checkpoint", counting)
     return calls
 
 
@@ -87,7 +88,7 @@ def test_the_daemons_own_files_are_accepted_without_rereading_them(daemon, tiny_
     def must_not_read(*args, **kwargs):
         raise AssertionError("the checkpoint was read again although its files are the daemon's own")
 
-    monkeypatch.setattr(identity, "iter_checkpoint", must_not_read)
+    monkeypatch.setattr(reader, "iter_checkpoint", must_not_read)
     llm = LLM(tiny_checkpoint, state_dir=daemon.state_dir)
     try:
         assert llm.attached.fingerprint == daemon.status()["fingerprint"]

@@ -66,7 +66,8 @@ def test_vmm_arena_is_shared_read_only(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys, torch
         from preload.ipc.arena import map_arena
-        from preload.ipc.layout import TensorEntry, tensor_views
+        from preload.ipc.layout import TensorEntry
+        from preload.ipc.views import tensor_views
         from preload.ipc.manifest import ArenaInfo
         m = map_arena(ArenaInfo.from_wire({arena.info().to_wire()!r}), [int(sys.argv[1])])
         w = tensor_views(m.base, [TensorEntry("w", "float32", (1024,), 0, 4096)])["w"]
@@ -127,6 +128,13 @@ def test_cuda_ipc_and_vmm_give_identical_outputs(daemon, model_dir):
         llm.close()
         run_preload("stop", "--state-dir", str(state))
     assert outs[0] == outs[1]
+
+
+def test_the_daemon_knows_a_gpu_by_the_uuid_torch_gives_it():
+    """The per-GPU lock's name, found through the driver (the daemon imports no torch to re-adopt)."""
+    from preload.ipc.devices import gpu_uuid
+
+    assert gpu_uuid("cuda:0") == gpu_uuid("cuda") == str(torch.cuda.get_device_properties(0).uuid)
 
 
 def test_second_daemon_on_the_same_gpu_is_refused(daemon, tmp_path, model_dir):
@@ -217,7 +225,7 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
 
     from preload.checkpoint.config import ModelConfig
     from preload.options import EngineOptions
-    from preload.worker.model.kv_cache import worker_reserve
+    from preload.worker.model.kv_cache import DAEMON_CONTEXT_BYTES, worker_reserve
 
     def used_mib() -> int:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
@@ -241,6 +249,7 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
 
     utilization, max_seqs = 0.2, 100_000  # so many sequences that the share, not their length, bounds the cache
     state, port = tmp_path / "share", 18592
+    total = torch.cuda.mem_get_info(0)[1]  # (this process's own context made before, not counted as the tree's)
     before = used_mib()
     r = run_preload("start", "--device", "cuda:0", "--state-dir", str(state), "--health-port", "18593", "--workers", "2",
                     "--spare-workers", "1", "--port", str(port), "--gpu-memory-utilization", str(utilization),
@@ -251,13 +260,17 @@ def test_workers_share_the_gpu_and_a_warm_spare_takes_over(tmp_path):
         assert spare, status()
         s = status()
         weights = s["bytes_per_device"]["cuda:0"]
-        total = torch.cuda.mem_get_info(0)[1]
         reserve = worker_reserve(ModelConfig.from_dir(Path(BUNDLED_MODEL)), EngineOptions().max_num_batched_tokens)
-        expected = (utilization * total - weights - 3 * reserve) / 2
+        expected = (utilization * total - weights - DAEMON_CONTEXT_BYTES - 3 * reserve) / 2
         kv = [w["kv_cache_bytes"] for w in s["workers"]]
         assert kv[0] == kv[1] and abs(kv[0] - expected) < 0.01 * expected, (kv, expected)
         in_use = (used_mib() - before) << 20
-        assert in_use <= utilization * total, f"{in_use / 2**30:.2f} GiB in use > {utilization} of the device"
+        per_process = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                                     capture_output=True, text=True).stdout
+        assert in_use <= utilization * total, (f"{in_use / 2**30:.2f} GiB in use > {utilization} of the device; KV"
+                                               f" {kv}, reserve {reserve}, weights {weights}; daemon {s['pid']}, workers"
+                                               f" {[w['pid'] for w in s['workers']]}, spares {[x['pid'] for x in s['spares']]};"
+                                               f" by process:\n{per_process}")
         first = complete()
 
         old = s["workers"][0]["pid"]

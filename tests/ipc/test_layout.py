@@ -8,7 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from preload.ipc.layout import ArenaError, Layout, pack, tensor_views
+from preload.ipc.layout import ArenaError, Layout, pack
+from preload.ipc.views import tensor_views
 
 SPECS = [("a", torch.float32, (3, 5)), ("b", torch.bfloat16, (7,)), ("c", torch.uint8, (2, 2, 3)), ("d", torch.float32, ())]
 

@@ -24,7 +24,8 @@ import torch
 from daemons import PRELOAD, START_TIMEOUT, daemon_processes, free_port, port_is_free, preload, sockets_in, stop_everything
 from safetensors.torch import load_file, save_file
 
-from preload.preloadd.loader import LoadError, check_memory
+from preload.preloadd.loader import check_memory
+from preload.preloadd.weights import LoadError
 
 DENSE = "model.layers.0.mlp.down_proj.weight"
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import shutil
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 from daemons import arena_inodes, daemon_processes, free_port, running_daemon, sockets_in, wait_for
@@ -79,6 +82,8 @@ def test_a_new_daemon_takes_back_the_weights_the_port_and_the_workers(tiny_check
                     assert s["readopted"] and s["fingerprint"] == fingerprint
                     assert s["keeper_pid"] == keeper  # the same keeper holds on, for the next crash
                     assert s["load_seconds"] < 1.0
+                    # Nothing on the way to ready imported torch (seconds on a GPU host): ready in well under one.
+                    assert "libtorch" not in Path(f"/proc/{s['pid']}/maps").read_text()
                     ws = wait_for(lambda: (w := ready_workers(second)) and len(w) == 2 and w, timeout=30)
                     assert sorted(w["pid"] for w in ws) == workers, f"{ws}\n{logs(state_dir)}"  # adopted, not replaced
                     assert arenas_of(state_dir) == arena  # one copy of the weights throughout, in every process
@@ -148,3 +153,11 @@ def test_a_daemon_without_workers_retires_the_workers_a_dead_one_left(tiny_check
             assert second.status()["readopted"]
             assert wait_for(lambda: dead(worker["pid"]), timeout=30), "the orphan kept serving for nobody"
     assert daemon_processes(state_dir) == []
+
+
+def test_the_daemon_imports_no_torch():
+    """What a daemon needs up to ready when it takes its weights back from a keeper: torch
+    (4-6 s to import on a GPU host) is imported only to load."""
+    code = "import sys, preload.preloadd.daemon; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

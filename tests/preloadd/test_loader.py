@@ -10,7 +10,8 @@ import threading
 import torch
 
 from preload.ipc.memfd import MemfdArena
-from preload.preloadd.loader import STAGES, Progress, load
+from preload.preloadd.loader import load
+from preload.preloadd.weights import STAGES, Progress
 
 
 def test_every_stage_of_a_load_is_timed(tiny_checkpoint):

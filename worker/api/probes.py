@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from preload.options import VERSION
+from preload.options import version as installed_version
 from preload.worker.api.serving import serving
 
 router = APIRouter()
@@ -41,7 +41,7 @@ async def status(request: Request):
 
 @router.get("/version")
 async def version():
-    return {"version": VERSION}
+    return {"version": installed_version()}
 
 
 @router.get("/metrics")

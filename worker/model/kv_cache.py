@@ -28,21 +28,27 @@ def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_ca
     return num_layers * width * dtype.itemsize
 
 
+DAEMON_CONTEXT_BYTES = 640 << 20  # the daemon's own CUDA context (612 MiB measured on an H200, CUDA 13)
+
+
 def worker_reserve(cfg: ModelConfig, max_num_batched_tokens: int) -> int:
-    """Device memory a worker needs besides its KV cache: about 1 GiB of CUDA context,
-    kernels and library workspaces, plus the largest step's activations, dominated by
-    float32 logits and their log-softmax when a prompt is scored on every row."""
-    return (1 << 30) + max_num_batched_tokens * (8 * cfg.vocab_size + 64 * cfg.hidden_size)
+    """Device memory a worker needs besides its KV cache: 1.5 GiB of CUDA context, kernels,
+    library workspaces, captured decode graphs and allocator slack (1.46 GiB measured on
+    an H200 for the bundled model, a worker or a spare alike), plus the largest step's
+    activations, dominated by float32 logits and their log-softmax when a prompt is
+    scored on every row."""
+    return (3 << 29) + max_num_batched_tokens * (8 * cfg.vocab_size + 64 * cfg.hidden_size)
 
 
 def kv_cache_share(cfg: ModelConfig, device: torch.device, weight_bytes: int, max_num_batched_tokens: int,
                    workers: int, spares: int, utilization: float) -> int:
     """Bytes of KV cache for one of `workers` engines that share one GPU and the
-    daemon's weights: the weights count once, each worker and spare keeps its reserve,
-    the rest of `utilization` x the device is split evenly. Never more than is free now."""
+    daemon's weights: the weights and the daemon's context count once, each worker and
+    spare keeps its reserve, the rest of `utilization` x the device is split evenly.
+    Never more than is free now."""
     free, total = torch.cuda.mem_get_info(device)
     reserve = worker_reserve(cfg, max_num_batched_tokens)
-    share = int((utilization * total - weight_bytes - (workers + spares) * reserve) / workers)
+    share = int((utilization * total - weight_bytes - DAEMON_CONTEXT_BYTES - (workers + spares) * reserve) / workers)
     budget = min(share, free - reserve)
     if budget <= 0:
         gib = 1 << 30

@@ -1,0 +1,60 @@
+"""Which device the daemon means, known without importing torch.
+
+The daemon resolves `--device auto` and takes its per-GPU lock before it knows whether it
+will load a checkpoint (torch: seconds to import) or take the weights back from a keeper
+(no torch at all: on an H200 host `import torch` alone takes 4-6 s, the whole re-adopt
+budget several times over). The CUDA driver answers both through ctypes: cuInit and a
+device query cost a fraction of a second and make no context (no device memory).
+Workers, which import torch anyway, resolve through torch (checkpoint/reader.py); both
+count the GPUs CUDA shows the process, so they agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_driver: ctypes.CDLL | None = None
+
+
+def driver() -> ctypes.CDLL:
+    """libcuda, loaded once (OSError where no NVIDIA driver is installed)."""
+    global _driver
+    if _driver is None:
+        _driver = ctypes.CDLL("libcuda.so.1")
+    return _driver
+
+
+def cuda_device_count() -> int:
+    """The GPUs CUDA shows this process (CUDA_VISIBLE_DEVICES applies); 0 without a driver."""
+    try:
+        cu = driver()
+    except OSError:
+        return 0
+    n = ctypes.c_int()
+    if cu.cuInit(0) != 0 or cu.cuDeviceGetCount(ctypes.byref(n)) != 0:
+        return 0
+    return n.value
+
+
+def resolve_device_name(device: str) -> str:
+    """`auto`: "cuda" when CUDA shows a GPU, else "cpu"; any other name as given, checked.
+    (The names torch prints for the same devices: manifests compare them as strings.)"""
+    if device == "auto":
+        return "cuda" if cuda_device_count() else "cpu"
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"device {device!r}: choose auto, cpu, cuda or cuda:N")
+    return device
+
+
+def gpu_uuid(device: str) -> str:
+    """The UUID of GPU `device` ("cuda" is cuda:0), as torch's device properties print it."""
+    ordinal, count = int(device.partition(":")[2] or 0), cuda_device_count()
+    if ordinal >= count:
+        raise ValueError(f"device {device}: CUDA shows this process {count} GPU{'s' * (count != 1)}")
+    cu, handle, uuid = driver(), ctypes.c_int(), (ctypes.c_ubyte * 16)()
+    if cu.cuDeviceGet(ctypes.byref(handle), ordinal) != 0 or cu.cuDeviceGetUuid(ctypes.byref(uuid), handle) != 0:
+        raise ValueError(f"device {device}: the CUDA driver gives no UUID for it")
+    h = bytes(uuid).hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -1,0 +1,92 @@
+"""The daemon's weights as it holds them, however they came: loaded from the checkpoint
+(preloadd/loader.py) or taken back from the keeper a crashed daemon left (preloadd/keeper.py).
+
+Here: a load's progress, what a load or a take-back yields, and the check that weights a
+keeper kept are what this daemon would load. Nothing here imports torch: a daemon that
+re-adopts is ready in well under a second, which `import torch` alone would exceed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from preload.checkpoint.identity import IdentityError, fingerprint, verify_checkpoint
+from preload.ipc.manifest import Manifest
+from preload.ipc.protocol import ProtocolError
+
+
+class LoadError(RuntimeError):
+    pass
+
+
+STAGES = ("plan", "read", "hash", "upload", "check", "quantize", "write", "publish")
+
+
+@dataclass
+class Progress:
+    """A load's progress, and where its time went: `stages` holds seconds per stage,
+    summed over the loader's threads (read, hash, upload, check, quantize and write run
+    in several at once, so they add up to more than the wall clock; plan and publish are
+    the wall clock's own)."""
+
+    total_bytes: int = 0
+    done_bytes: int = 0
+    tensors_total: int = 0
+    tensors_done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    seconds: float | None = None  # set once loaded
+    stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @contextmanager
+    def timed(self, stage: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.stages[stage] += time.perf_counter() - t
+
+    def as_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "done_bytes": self.done_bytes,
+            "tensors_total": self.tensors_total,
+            "tensors_done": self.tensors_done,
+            "fraction": self.done_bytes / self.total_bytes if self.total_bytes else 0.0,
+            "stage_seconds": dict(self.stages),
+        }
+
+
+@dataclass
+class Loaded:
+    arena: object
+    manifest: Manifest
+
+
+def kept_manifest(wire: dict, model_dir: Path, quant: str, dtype: str, device: str, transport: str) -> Manifest:
+    """The manifest of weights a keeper holds, if they are what this daemon would load:
+    the same checkpoint (unchanged on disk, as attaching checks it), quant, dtype, device
+    and transport, and a fingerprint that its record reproduces. LoadError says why not."""
+    try:
+        m = Manifest.from_wire(wire)
+    except ProtocolError as e:
+        raise LoadError(f"a malformed manifest ({e})") from None
+    want = {"model": str(model_dir), "quant": quant, "dtype": dtype, "device": device}
+    for key, value in want.items():
+        if getattr(m, key) != value:
+            raise LoadError(f"{key} {getattr(m, key)}, not {value}")
+    if m.arena.transport != transport:
+        raise LoadError(f"transport {m.arena.transport}, not {transport}")
+    digests = {name: d for f in m.record.files.values() for name, d in f.tensors.items()}
+    if fingerprint(m.record.aux, digests, {"quant": m.quant, "dtype": m.dtype}) != m.fingerprint:
+        raise LoadError("a manifest whose fingerprint its record does not reproduce")
+    try:
+        verify_checkpoint(model_dir, m.record)
+    except IdentityError as e:
+        raise LoadError(f"another checkpoint than {model_dir} holds now ({e})") from None
+    return m
