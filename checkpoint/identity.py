@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,20 +32,31 @@ if TYPE_CHECKING:  # (imported where tensors are read: a daemon that re-adopts c
 AUX_FILES = ("config.json", *TOKENIZER_FILES)
 FORMAT = 2  # of digests, records and fingerprints
 PARALLEL_BYTES = 1 << 22  # a tensor this large is hashed by several threads (BLAKE3's tree)
+CHUNK_BYTES = 1 << 23  # hashed at a time: large enough for BLAKE3's threads, small enough to stay in the cache
 
 
 class IdentityError(ValueError):
     """The model a client asked for is not the one the daemon holds."""
 
 
-def tensor_digest(tensor: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str:
+def tensor_digest(tensor: torch.Tensor, scale_inv: torch.Tensor | None = None,
+                  visit: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None) -> str:
+    """The digest of a tensor (and its block scales), hashed CHUNK_BYTES at a time. Each
+    chunk, just hashed and still in the cache, goes to `visit(whole, first element, chunk)`:
+    what else must read every byte (the loader's finiteness check and write) then costs
+    no second pass over memory. Chunking does not change the digest."""
     import torch
 
-    data = [t.contiguous().view(torch.uint8).numpy() for t in (tensor, scale_inv) if t is not None]
-    h = blake3(max_threads=blake3.AUTO if sum(d.nbytes for d in data) >= PARALLEL_BYTES else 1)
-    for t, d in zip((t for t in (tensor, scale_inv) if t is not None), data):  # (releases the GIL)
+    parts = [t.contiguous() for t in (tensor, scale_inv) if t is not None]
+    h = blake3(max_threads=blake3.AUTO if sum(t.nbytes for t in parts) >= PARALLEL_BYTES else 1)
+    for t in parts:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(memoryview(d))
+        flat, step = t.reshape(-1), max(CHUNK_BYTES // t.element_size(), 1)
+        for at in range(0, flat.numel(), step):
+            chunk = flat[at : at + step]
+            h.update(memoryview(chunk.view(torch.uint8).numpy()))  # (releases the GIL)
+            if visit is not None:
+                visit(t, at, chunk)
     return h.hexdigest()
 
 

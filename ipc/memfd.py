@@ -54,11 +54,17 @@ class MemfdArena:
 
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         check_planned(entry, tensor)
-        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
-        view = memoryview(data).cast("B")
+        self.write_part(entry, 0, tensor)
+
+    def write_part(self, entry: TensorEntry, at: int, part: torch.Tensor) -> None:
+        """Bytes of `entry` from byte `at` on: a chunk of the tensor, written while the
+        loader's pass over it (hash, check) still has it in the cache."""
+        data = memoryview(part.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
+        if at < 0 or at + len(data) > entry.nbytes:
+            raise ArenaError(f"tensor {entry.name}: bytes [{at}, {at + len(data)}) lie outside its {entry.nbytes}")
         done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], entry.offset + done)
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], entry.offset + at + done)
 
     def seal(self) -> None:
         self._allocating.join()

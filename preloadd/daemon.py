@@ -185,8 +185,6 @@ class Daemon:
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
             kept = self._take_kept()  # what a keeper of a dead daemon of this state dir holds
-            if kept is None:  # a load follows: torch now, before the zygote's own import competes for the cores
-                import torch  # noqa: F401
             http = HttpServer(make_app(self.status, self.metrics), self._listen("health", o.health_host, o.health_port))
             # The API socket is bound now (or was kept open all along), so that clients queue in its backlog
             # from the start.
@@ -202,6 +200,8 @@ class Daemon:
                                                             "health_port": self.ports["health"],
                                                             "api_port": self.ports["api"]})
             self._install_signal_handlers()
+            if kept is None:  # a load follows: torch now (/health answers meanwhile), before the zygote's import competes
+                import torch  # noqa: F401
             if o.workers:
                 # Workers compile their Triton kernels once per state dir, not once per start:
                 # the cache lives beside the sockets, as private as they are.

@@ -24,7 +24,7 @@ from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_check
 from preload.ipc.arena import create_arena
 from preload.ipc.layout import Layout, TensorEntry, pack
 from preload.ipc.manifest import FILE_PREFIX, Manifest
-from preload.kernels.quant import quantize_weight, stored_layout
+from preload.kernels.quant import SCALE_SUFFIX, quantize_weight, stored_layout
 from preload.preloadd.weights import Loaded, LoadError, Progress
 
 LOADER_THREADS = 8
@@ -85,20 +85,32 @@ def load(
 
     def store(src: SourceTensor) -> None:
         # Hashing, quantizing and writing release the GIL: several tensors go at once.
-        with progress.timed("hash"):
-            digest = tensor_digest(src.tensor, src.scale_inv)
-        with progress.timed("upload"):
-            scale = None if src.scale_inv is None else src.scale_inv.to(device)
-            tensor = src.tensor.to(device)
-        with progress.timed("check"):
-            for what, t in ((src.name, tensor), (f"{src.name} scales", scale)):
-                if t is not None and not finite(t):  # (on the device: a pass at its bandwidth)
-                    raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
-        with progress.timed("quantize"):
-            stored = quantize_weight(src.name, tensor, scale, cfg.fp8_block, quant, dtype)
-        with progress.timed("write"):
-            for name, tensor in stored.items():
-                arena.write(by_name[name], tensor)
+        entry = by_name[src.name]
+        # Stored as read (host arena, neither quantized nor converted): written chunk by chunk in the pass.
+        as_read = (arena.transport == "memfd" and src.scale_inv is None and src.name + SCALE_SUFFIX not in by_name
+                   and entry.dtype == str(src.tensor.dtype).removeprefix("torch.") and entry.shape == tuple(src.tensor.shape))
+
+        def visit(whole: torch.Tensor, first: int, chunk: torch.Tensor) -> None:
+            if not finite(chunk):
+                what = src.name if whole is not src.scale_inv else f"{src.name} scales"
+                raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
+            if as_read:
+                arena.write_part(entry, first * chunk.element_size(), chunk)
+
+        with progress.timed("hash"):  # one pass over the source: hashed, checked (and written as read) per chunk
+            digest = tensor_digest(src.tensor, src.scale_inv, visit)
+        if as_read:
+            stored = [src.name]
+        else:
+            with progress.timed("upload"):
+                scale = None if src.scale_inv is None else src.scale_inv.to(device)
+                tensor = src.tensor.to(device)
+            with progress.timed("quantize"):
+                quantized = quantize_weight(src.name, tensor, scale, cfg.fp8_block, quant, dtype)
+            with progress.timed("write"):
+                for name, tensor in quantized.items():
+                    arena.write(by_name[name], tensor)
+            stored = list(quantized)
         with lock:
             digests[src.name], sources[src.name] = digest, src.path
             progress.done_bytes += sum(by_name[name].nbytes for name in stored)

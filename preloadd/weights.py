@@ -23,13 +23,15 @@ class LoadError(RuntimeError):
     pass
 
 
-STAGES = ("plan", "read", "hash", "upload", "check", "quantize", "write", "publish")
+# hash: the one pass over each source tensor, chunk by chunk: hashed, checked for NaN and
+# Inf, and (host arena, stored as read) written; upload, quantize and write: the rest's way in.
+STAGES = ("plan", "read", "hash", "upload", "quantize", "write", "publish")
 
 
 @dataclass
 class Progress:
     """A load's progress, and where its time went: `stages` holds seconds per stage,
-    summed over the loader's threads (read, hash, upload, check, quantize and write run
+    summed over the loader's threads (read, hash, upload, quantize and write run
     in several at once, so they add up to more than the wall clock; plan and publish are
     the wall clock's own)."""
 
