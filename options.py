@@ -36,7 +36,8 @@ QUANT_MODES = ("none", "fp8_per_tensor", "fp8_block")
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("memfd", "cuda-vmm", "cuda-ipc")
 KV_CACHE_DTYPES = ("auto", "fp8")
-STATE_DIR_HELP = "Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /run/preload for root, else /tmp/preload-$UID]."
+STATE_DIR_HELP = ("Daemon state dir [default: $XDG_RUNTIME_DIR/preload, else /run/preload for root, else this uid's"
+                  " private $TMPDIR/preload-$UID-XXXXXX, made by preload start as mkdtemp makes one].")
 CPU_KV_CACHE_BYTES = 512 << 20  # what --kv-cache-memory auto means on CPU, and for an in-process LLM
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,

@@ -76,17 +76,18 @@ def options_of(cls, exclude: tuple[str, ...] = ()):
     return decorate
 
 
-def build(cls, params: dict):
+def build(cls, params: dict, create_state_dir: bool = False):
     """The dataclass from a command's parsed parameters (as `options_of` named them);
-    a relative state dir or model dir is made absolute (the daemon runs elsewhere)."""
+    a relative state dir or model dir is made absolute (the daemon runs elsewhere).
+    `create_state_dir`: the default state dir is made if there is none (preload start)."""
     known = {_param(path): path for path, _, _ in cli_fields(cls)}
     options = from_paths(cls, {known[name]: value for name, value in params.items() if name in known})
     model = options.model and Path(options.model).absolute()
-    return replace(options, state_dir=state_dir_path(options.state_dir), model=model)
+    return replace(options, state_dir=state_dir_path(options.state_dir, create_state_dir), model=model)
 
 
-def state_dir_path(value: Path | None) -> Path:
-    return (Path(value) if value else default_state_dir()).absolute()
+def state_dir_path(value: Path | None, create: bool = False) -> Path:
+    return (Path(value) if value else default_state_dir(create)).absolute()
 
 
 state_dir_option = click.option(

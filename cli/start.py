@@ -36,7 +36,7 @@ LOG_BYTES, LOG_BACKUPS = protocol.LOG_BYTES, protocol.LOG_BACKUPS  # daemon.log,
 @click.option("--foreground", is_flag=True, help="Run in this process instead of returning once ready.")
 def start(foreground, **params):
     """Load a checkpoint once and keep its weights resident for workers to attach."""
-    options = build(DaemonOptions, params)
+    options = build(DaemonOptions, params, create_state_dir=True)
     try:  # before anything is written there: a state dir is ours, or nothing happens
         prepare_state_dir(options.state_dir, bool(options.allow_uid or options.allow_gid))
     except StateDirError as e:

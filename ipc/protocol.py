@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import struct
+import tempfile
 from pathlib import Path
 
 import msgpack
@@ -26,13 +28,31 @@ class ProtocolError(ValueError):
     pass
 
 
-def default_state_dir() -> Path:
-    """$XDG_RUNTIME_DIR/preload; else /run/preload for root; else /tmp/preload-$UID, which
-    preload start makes 0700 itself and refuses if another user made it first."""
+def default_state_dir(create: bool = False) -> Path:
+    """$XDG_RUNTIME_DIR/preload; else /run/preload for root; else this uid's own dir in the
+    temp dir, made as mkdtemp makes one (`preload-$UID-` and a random suffix, 0700, never a
+    path that exists already): no other user can take its name first, and it is found again
+    by its owner and mode (a directory, not a link, of this uid, closed to everyone else),
+    never by its name alone; the newest such if several. With none, `create` (preload start)
+    makes it; a command that only looks gets the pattern searched, where no daemon is."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return Path(runtime) / "preload"
-    return Path("/run/preload") if os.getuid() == 0 else Path(f"/tmp/preload-{os.getuid()}")
+    uid = os.getuid()
+    if uid == 0:
+        return Path("/run/preload")
+    temp = Path(tempfile.gettempdir())
+    ours = []
+    for path in temp.glob(f"preload-{uid}-*"):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077:
+            ours.append((st.st_mtime, str(path)))
+    if ours:
+        return Path(max(ours)[1])
+    return Path(tempfile.mkdtemp(prefix=f"preload-{uid}-")) if create else temp / f"preload-{uid}-*"
 
 
 LOG_BYTES, LOG_BACKUPS = 16 << 20, 3  # a state dir's logs are rotated past this size, this many kept

@@ -324,7 +324,13 @@ def test_no_pickle_anywhere_in_the_product():
     assert offenders == []
 
 
-def test_the_default_state_dir_is_the_runtime_dir_then_run_for_root_then_per_uid_in_tmp(monkeypatch):
+def test_the_default_state_dir_is_the_runtime_dir_then_run_for_root_then_a_private_dir_in_tmp(monkeypatch, tmp_path):
+    """A user without XDG_RUNTIME_DIR gets a dir made as mkdtemp makes one, found again by
+    owner and mode: another user's dir of the same pattern, a link, or one open to others
+    is never taken, and a name squatted in advance cannot stop a start."""
+    import stat
+    import tempfile
+
     from preload.ipc.protocol import default_state_dir
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
@@ -332,8 +338,29 @@ def test_the_default_state_dir_is_the_runtime_dir_then_run_for_root_then_per_uid
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.setattr("os.getuid", lambda: 0)
     assert str(default_state_dir()) == "/run/preload"
-    monkeypatch.setattr("os.getuid", lambda: 1234)
-    assert str(default_state_dir()) == "/tmp/preload-1234"
+
+    root = os.geteuid() == 0  # (as root, the dirs are given to the uid pretended below)
+    uid = 1234 if root else os.geteuid()
+    monkeypatch.setattr("os.getuid", lambda: uid)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    looked = default_state_dir()
+    assert looked == tmp_path / f"preload-{uid}-*" and list(tmp_path.iterdir()) == []  # looking makes nothing
+    open_one, link = tmp_path / f"preload-{uid}-open", tmp_path / f"preload-{uid}-link"
+    open_one.mkdir(mode=0o755)
+    link.symlink_to(open_one)
+    traps = [open_one, link]
+    if root:  # (only root can make a dir that another uid owns)
+        theirs = tmp_path / f"preload-{uid}-theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, uid + 1, -1)
+        os.chown(open_one, uid, -1)
+        traps.append(theirs)
+    made = default_state_dir(create=True)
+    assert made not in traps and made.parent == tmp_path and made.name.startswith(f"preload-{uid}-")
+    if root:
+        os.chown(made, uid, -1)
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert default_state_dir() == made == default_state_dir(create=True)  # found again, not made twice
 
 
 def test_a_message_larger_than_the_socket_buffer_arrives_whole_with_its_fds():
