@@ -7,8 +7,9 @@ worker runs) with a KV cache large enough for the largest batch at the longest c
 For each (context, batch): `batch` prompts of `context` random tokens, greedy, exactly
 `output_len` tokens each (EOS ignored). The prefill (until every sequence has its first
 token) and the decode (the remaining output_len - 1 steps) are timed apart; decode tok/s
-is batch * (output_len - 1) / decode seconds. With MTP drafts (speculative decoding) a
-"step" is a verify pass: ms/step is per pass, tok/s counts tokens.
+is batch * (output_len - 1) / decode seconds. With drafts (speculative decoding: the MTP
+layer's, or with `draft_model` a small model's of the same vocabulary) a "step" is a verify
+pass: ms/step is per pass, tok/s counts tokens.
 
 The limit: a decode step must read every weight it uses once (dense layers, attention,
 shared experts, the output head, and the routed experts that the batch's tokens touch,
@@ -20,6 +21,7 @@ the fastest a step can be. `hbm_percent` = that time / the measured step.
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -218,14 +220,16 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
 
 def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[int, int]], output_len: int,
                transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
-               profile: bool = False, speculative: tuple[int, ...] = (0,), async_scheduling: bool = True) -> dict:
+               profile: bool = False, speculative: tuple[int, ...] = (0,), async_scheduling: bool = True,
+               draft_model: Path | None = None) -> dict:
     from preload.worker.llm import LLM
 
     t0 = time.perf_counter()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": [],
                                         "cuda_graphs": dev.type == "cuda" and not enforce_eager,
-                                        "async_scheduling": dev.type == "cuda" and async_scheduling}
+                                        "async_scheduling": dev.type == "cuda" and async_scheduling,
+                                        "drafter": str(draft_model) if draft_model else "mtp"}
     if dev.type == "cuda":
         result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
     bandwidth = copy_bandwidth(dev)
@@ -236,19 +240,21 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
     tokens = max(b * (c + output_len + 16) for b, c in cases)
     for quant, k in ((q, k) for q in quants for k in speculative):
         kv = tokens * bytes_per_token(cfg, cfg.num_layers + 1, torch.bfloat16)  # (+1: an MTP drafter's layer)
-        spec = f'{{"method": "mtp", "num_speculative_tokens": {k}}}' if k else None
+        method = {"method": "draft_model", "model": str(draft_model)} if draft_model else {"method": "mtp"}
+        spec = json.dumps(method | {"num_speculative_tokens": k}) if k else None
+        drafter = "draft-model" if draft_model else "MTP"
         engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager,
                                async_scheduling=async_scheduling, speculative_config=spec,
                                enable_prefix_caching=False)  # (random prompts: no hits anyway)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
-        label = f"{quant}, {k} MTP drafts" if k else quant
+        label = f"{quant}, {k} {drafter} drafts" if k else quant
         result.setdefault("engine_start_s", {})[label] = time.perf_counter() - t  # load, and capture unless eager
         run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
         gc.collect()
         gc.freeze()  # as a worker does once it serves (worker/serve.py)
         for batch, context in cases:
-            progress(f"{quant}{f', {k} MTP drafts' if k else ''}: batch {batch}, context {context}")
+            progress(f"{label}: batch {batch}, context {context}")
             before = llm.engine.stats()
             case = run_case(llm, batch, context, output_len, cfg.vocab_size, seed=batch)
             after = llm.engine.stats()
@@ -275,11 +281,12 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
 
 def format_table(result: dict) -> str:
     m = result["machine"]
+    drafter = result.get("drafter", "mtp")
     lines = [f"preload bench decode: {result['model']}, {result['output_len']} output tokens, on "
              f"{m.get('cuda_device') or m.get('cpu_model')}; copy bandwidth "
              f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
              + (f" steps launched ahead {'on' if result['async_scheduling'] else 'off'};" if "async_scheduling" in result else "")
-             + f" {result['wall_s']:.0f} s", ""]
+             + ("" if drafter == "mtp" else f" drafts by {drafter};") + f" {result['wall_s']:.0f} s", ""]
     head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "prefill tok/s", "prefill s")
     widths = (14, 6, 8, 6, 10, 8, 6, 8, 13, 9)
     lines.append(row(head, widths))

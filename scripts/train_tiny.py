@@ -213,6 +213,16 @@ def model_config(vocab_size: int) -> dict:
     }
 
 
+def draft_config(vocab_size: int) -> dict:
+    """A draft model for speculative decoding beside the bundled one (same vocabulary):
+    one dense layer at half the width, no MTP layer; about a fifth of its parameters."""
+    return model_config(vocab_size) | {
+        "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 1, "first_k_dense_replace": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 64, "kv_lora_rank": 32,
+        "num_nextn_predict_layers": 0,
+    }
+
+
 def checkpoint_names(names: list[str], n_layers: int) -> list[str]:
     """Drop the MTP layer's own embedding / head copies: loaders share the main model's."""
     mtp = f"model.layers.{n_layers}."
@@ -357,6 +367,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="sequences of 512 tokens per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--heldout-txt", type=Path, default=REPO / "tests" / "data" / "heldout.txt")
+    ap.add_argument("--draft-of", type=Path, default=None,
+                    help="train a draft model (draft_config) with that checkpoint's tokenizer instead")
     args = ap.parse_args()
 
     t_start = time.time()
@@ -379,7 +391,7 @@ def main() -> None:
         f"{len(held_docs)} held-out files ({held_bytes / 1e6:.2f} MB)")
 
     # --- tokenizer
-    tok = train_tokenizer(train_docs, VOCAB_SIZE)
+    tok = Tokenizer.from_file(str(args.draft_of / "tokenizer.json")) if args.draft_of else train_tokenizer(train_docs, VOCAB_SIZE)
     vocab = tok.get_vocab_size()
     train_stream = token_stream(tok, train_docs)
     held_stream = token_stream(tok, held_docs)
@@ -393,7 +405,7 @@ def main() -> None:
     from preload.checkpoint.config import ModelConfig
     from preload.worker.model.deepseek import Transformer
 
-    config = model_config(vocab)
+    config = draft_config(vocab) if args.draft_of else model_config(vocab)
     cfg = ModelConfig.from_dict(config)
     weights = init_weights(cfg, seed=args.seed)
     saved = checkpoint_names(list(weights), config["num_hidden_layers"])
@@ -428,7 +440,7 @@ def main() -> None:
     for _ in range(3):
         t0 = time.time()
         main_loss, mtp_loss = losses(model, probe)
-        (main_loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
+        (main_loss + MTP_LOSS_WEIGHT * mtp_loss if mtp_loss is not None else main_loss).backward()
         times.append(time.time() - t0)
     opt.zero_grad(set_to_none=True)
     step_s = min(times[1:]) * 1.05  # first call pays one-off allocation costs
@@ -476,6 +488,7 @@ def main() -> None:
     held_loss, held_mtp = evaluate(model, windows, args.batch)
     sample_windows = eval_windows(sample_ids, len(sample_ids) // SEQ_LEN)
     sample_loss, _ = evaluate(model, sample_windows, args.batch)
+    held_mtp = math.nan if held_mtp is None else held_mtp  # (a draft has no MTP layer)
     log(f"held-out ({len(windows)}x{SEQ_LEN} tokens): loss {held_loss:.4f} ppl {math.exp(held_loss):.2f}, "
         f"MTP loss {held_mtp:.4f} ppl {math.exp(held_mtp):.2f}; heldout.txt ({len(sample_windows)}x{SEQ_LEN}): "
         f"loss {sample_loss:.4f} ppl {math.exp(sample_loss):.2f}; uniform ppl {vocab}")
@@ -488,15 +501,24 @@ def main() -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(config["max_position_embeddings"]), indent=2) + "\n")
-    args.heldout_txt.parent.mkdir(parents=True, exist_ok=True)
-    args.heldout_txt.write_text(sample, encoding="utf-8")
+    if not args.draft_of:  # (a draft is measured on the bundled model's sample)
+        args.heldout_txt.parent.mkdir(parents=True, exist_ok=True)
+        args.heldout_txt.write_text(sample, encoding="utf-8")
 
     wall_s = time.time() - t_start
     cpu_s = time.process_time()
     files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     sizes = {f: (out / f).stat().st_size for f in files}
     command = "python scripts/train_tiny.py " + " ".join(sys.argv[1:])
+    title = (f"{out.name}: a draft model for {args.draft_of.name} (speculative decoding; its tokenizer)"
+             if args.draft_of else f"{out.name}: the bundled model")
+    draft_note = (f"\nA draft model (`--draft-of {args.draft_of}`): {args.draft_of.name}'s tokenizer, read, not trained;"
+                  f" one dense layer, hidden {config['hidden_size']}, no MoE and no MTP layer (`config.json`). The"
+                  " paragraphs below are the recipe both share; what they say of experts, routing and the MTP layer"
+                  " does not apply to it.\n" if args.draft_of else "")
     readme = README_TEMPLATE.format(
+        title=title,
+        draft_note=draft_note,
         command=command.strip(),
         seed=args.seed,
         python=sys.version.split()[0],
@@ -514,20 +536,21 @@ def main() -> None:
         sizes="\n".join(f"| `{f}` | {s:,} |" for f, s in sizes.items()),
         total=sum(sizes.values()),
         n_windows=len(windows), held_loss=held_loss, held_ppl=math.exp(held_loss),
-        held_mtp=held_mtp, held_mtp_ppl=math.exp(held_mtp),
+        mtp_row="" if math.isnan(held_mtp) else
+        f"| held-out, MTP head (token after next) | {held_mtp:.4f} | {math.exp(held_mtp):.2f} |\n",
         sample_bytes=len(sample.encode()), sample_tokens=len(sample_ids), n_sample_windows=len(sample_windows),
         sample_loss=sample_loss, sample_ppl=math.exp(sample_loss),
         bias_speed=BIAS_UPDATE_SPEED, imbalance=final_imbalance,
     )
     (out / "README.md").write_text(readme)
     assert sum(sizes.values()) + len(readme) < SIZE_LIMIT_BYTES
-    log(f"wrote {out} ({sum(sizes.values()):,} bytes) and {args.heldout_txt}; wall {wall_s / 60:.1f} min, "
+    log(f"wrote {out} ({sum(sizes.values()):,} bytes){'' if args.draft_of else f' and {args.heldout_txt}'}; wall {wall_s / 60:.1f} min, "
         f"CPU {cpu_s / 60:.1f} min")
 
 
 README_TEMPLATE = """\
-# tiny-v3: the bundled model
-
+# {title}
+{draft_note}
 A ~{n_params:,}-parameter `DeepseekV3ForCausalLM` trained from scratch on the Python
 standard library's own source, so demos and tests have a model that has learned
 something (random weights cannot test quantization quality or speculative decoding).
@@ -586,8 +609,7 @@ after rounding the weights to bf16 as stored.
 | | loss | perplexity |
 |---|---|---|
 | held-out, main head | {held_loss:.4f} | {held_ppl:.2f} |
-| held-out, MTP head (token after next) | {held_mtp:.4f} | {held_mtp_ppl:.2f} |
-| `tests/data/heldout.txt`, main head | {sample_loss:.4f} | {sample_ppl:.2f} |
+{mtp_row}| `tests/data/heldout.txt`, main head | {sample_loss:.4f} | {sample_ppl:.2f} |
 | uniform guess | {vocab_ln:.4f} | {vocab} |
 
 `tests/data/heldout.txt` is the first ~24 KB of the held-out files (joined by a blank

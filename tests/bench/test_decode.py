@@ -1,0 +1,22 @@
+"""`preload bench decode` end to end on the CPU, small: plain decoding and speculative
+decoding drafted by the bundled draft model (bundled/tiny-v3-draft, trained with the
+bundled model's tokenizer by scripts/train_tiny.py --draft-of), acceptance counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from preload.bench.decode import format_table, run_decode
+from preload.options import BUNDLED_MODEL
+
+DRAFT = Path(BUNDLED_MODEL).parent / "tiny-v3-draft"
+
+
+def test_decode_with_a_draft_model_counts_what_it_drafts_and_what_is_accepted():
+    result = run_decode(Path(BUNDLED_MODEL), "cpu", ["none"], [(2, 16)], 8, False, lambda msg: None,
+                        speculative=(0, 2), draft_model=DRAFT)
+    plain, drafted = result["runs"]
+    assert plain["speculative_tokens"] == 0 and plain["acceptance_rate"] is None
+    assert drafted["speculative_tokens"] == 2 and 0 <= drafted["acceptance_rate"] <= 1
+    assert all(r["output_tok_s"] > 0 for r in result["runs"]) and result["drafter"] == str(DRAFT)
+    assert f"drafts by {DRAFT}" in format_table(result)
