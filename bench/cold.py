@@ -195,7 +195,8 @@ def _accepting(port: int) -> bool:
 def _is_daemon(p: psutil.Process) -> bool:
     try:
         cmd = " ".join(p.cmdline())
-        return "preload.cli.start" in cmd or cmd.startswith("preload daemon")  # as spawned, or once titled
+        # Once titled; before that, the fork of the `preload start` we launched: its child, same command line.
+        return cmd.startswith("preload daemon") or (p.ppid() != os.getpid() and " start " in f" {cmd} ")
     except psutil.Error:
         return False
 

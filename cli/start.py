@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
+import traceback
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
 from preload.ipc import protocol
 from preload.ipc.devices import cuda_device_count
-from preload.options import BUNDLED_MODEL, DaemonOptions, from_json, to_json
+from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 
@@ -114,15 +114,33 @@ def _start_in_background(options: DaemonOptions) -> int:
     state_dir = options.state_dir
     log_path = state_dir / "daemon.log"
     read_fd, write_fd = os.pipe()
-    # The options travel as JSON; --state-dir is repeated only so that `ps` shows whose daemon this is.
-    cmd = [sys.executable, "-m", "preload.cli.start", str(write_fd), "--state-dir", str(state_dir),
-           json.dumps(to_json(options))]
     # The daemon's own stderr goes to its log, so that even a crash at import is on record.
-    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600), "ab") as log:
-        proc = subprocess.Popen(
-            cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-        )
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()  # (this process has no threads yet, and imports no torch: safe to fork)
+    if pid == 0:
+        # The daemon: this process, detached (its own session; stdin /dev/null; stdout and
+        # stderr its log). A fork rather than a fresh interpreter: the interpreter's start and
+        # the command line's imports are done already (0.1-0.2 s of a restart's second).
+        code = 1
+        try:
+            os.setsid()
+            os.close(read_fd)
+            null = os.open(os.devnull, os.O_RDONLY)
+            for fd, target in ((0, null), (1, log_fd), (2, log_fd)):
+                os.dup2(target, fd)
+            os.close(null)
+            os.close(log_fd)
+            code = run_daemon(options, write_fd)
+        except BaseException:  # noqa: BLE001 - the daemon's own end: on record, then out
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     os.close(write_fd)
+    os.close(log_fd)
     import psutil
 
     began = psutil.Process().create_time()  # "ready in": from this command's start, interpreter and imports included
@@ -147,13 +165,9 @@ def _start_in_background(options: DaemonOptions) -> int:
                 if bar:
                     bar.close()
                 click.echo(msg["error"], err=True)
-                proc.wait()
+                os.waitpid(pid, 0)
                 return 1
-    code = proc.wait()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     click.echo(f"preload: the daemon exited with status {code} before it was ready; see {log_path}", err=True)
     return 1
 
-
-if __name__ == "__main__":
-    # The detached daemon of `preload start`: argv is the notify fd, --state-dir DIR, the options as JSON.
-    sys.exit(run_daemon(from_json(DaemonOptions, json.loads(sys.argv[4])), int(sys.argv[1])))
