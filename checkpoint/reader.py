@@ -162,9 +162,3 @@ def load_checkpoint(
 def resolve_dtype(dtype: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
     """config.weights_dtype as a torch dtype."""
     return getattr(torch, weights_dtype(dtype, device.type, cfg))
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)

@@ -5,8 +5,7 @@ will load a checkpoint (torch: seconds to import) or take the weights back from 
 (no torch at all: on an H200 host `import torch` alone takes 4-6 s, the whole re-adopt
 budget several times over). The CUDA driver answers both through ctypes: cuInit and a
 device query cost a fraction of a second and make no context (no device memory).
-Workers, which import torch anyway, resolve through torch (checkpoint/reader.py); both
-count the GPUs CUDA shows the process, so they agree.
+Workers resolve their `--device` here too, so that both name a device alike.
 """
 
 from __future__ import annotations

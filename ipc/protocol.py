@@ -76,6 +76,14 @@ def open_log(path: Path | str) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
 
+def log_output_to(path: Path | str) -> None:
+    """This process's stdout and stderr, from now on, appended to `path` (open_log)."""
+    fd = open_log(path)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def control_address(state_dir: Path) -> str:
     return f"ipc://{state_dir / 'control.sock'}"
 

@@ -36,7 +36,7 @@ import time
 import traceback
 from pathlib import Path
 
-from preload.ipc.protocol import open_log
+from preload.ipc.protocol import log_output_to
 from preload.options import ServeOptions, from_json, to_json
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
@@ -74,10 +74,7 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
     """Become a worker: the body of a forked (or freshly spawned) worker process."""
     from preload.worker.serve import serve_supervised
 
-    fd = open_log(log_path)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    log_output_to(log_path)
     sock = socket.socket(fileno=os.dup(listen_fd))
     return serve_supervised(from_json(ServeOptions, spec["serve"]), spec["slot"], sock, link_fd)
 

@@ -11,8 +11,9 @@ import torch
 
 from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.identity import IdentityError, verify_checkpoint
-from preload.checkpoint.reader import load_checkpoint, resolve_device, resolve_dtype
+from preload.checkpoint.reader import load_checkpoint, resolve_dtype
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.ipc.devices import resolve_device_name
 from preload.ipc.kv_memory import KvMemory
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
@@ -97,7 +98,7 @@ class LLM:
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:
         self.config = ModelConfig.from_dir(model_dir)
-        self.device = resolve_device(device)
+        self.device = torch.device(resolve_device_name(device))
         self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.quant = quant
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -107,7 +108,7 @@ class LLM:
         self.attached = attach(state_dir)
         m = self.attached.manifest
         try:
-            wanted = {"quant": quant, "dtype": dtype, "device": device and str(resolve_device(device))}
+            wanted = {"quant": quant, "dtype": dtype, "device": device and resolve_device_name(device)}
             for key, value in wanted.items():
                 if value is not None and value != getattr(m, key):
                     raise IdentityError(f"the daemon on {state_dir} holds {key} {getattr(m, key)}, not {value}")

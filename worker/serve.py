@@ -28,7 +28,7 @@ import uvicorn
 
 from preload.ipc.client import DaemonUnavailable
 from preload.ipc.kv_memory import KvMemory
-from preload.ipc.protocol import default_state_dir, open_log
+from preload.ipc.protocol import default_state_dir, log_output_to
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
 from preload.worker.api.app import create_app
@@ -217,10 +217,7 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
             return
         title(f"worker {slot}", opts)
         # A spare promoted: from here on this is worker `slot`, and its log is that slot's log.
-        fd = open_log(Path(opts.state_dir) / f"worker-{slot}.log")
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        log_output_to(Path(opts.state_dir) / f"worker-{slot}.log")
         log_format(f"worker-{slot}")
         log.info("serving slot %d (pid %d)", slot, os.getpid())
 
