@@ -39,25 +39,36 @@ class IdentityError(ValueError):
     """The model a client asked for is not the one the daemon holds."""
 
 
+def digest(parts: list[tuple[str, memoryview]], visit: Callable[[int, int, memoryview], None] | None = None) -> str:
+    """The digest of a tensor given as its parts' (description, bytes): the weights, and
+    for native FP8 their block scales. Hashed CHUNK_BYTES at a time; each chunk, just
+    hashed and still in the cache, goes to `visit(part, first byte, chunk)`: what else
+    must read every byte (the loader's finiteness check and write) then costs no second
+    pass over memory. Chunking does not change the digest."""
+    h = blake3(max_threads=blake3.AUTO if sum(len(data) for _, data in parts) >= PARALLEL_BYTES else 1)
+    for index, (description, data) in enumerate(parts):
+        h.update(description.encode())
+        for at in range(0, len(data), CHUNK_BYTES):
+            chunk = data[at : at + CHUNK_BYTES]
+            h.update(chunk)  # (releases the GIL)
+            if visit is not None:
+                visit(index, at, chunk)
+    return h.hexdigest()
+
+
+def describe(dtype: str, shape: tuple[int, ...]) -> str:
+    """What a tensor's digest says of it besides its bytes (torch's printed dtype and shape)."""
+    return f"torch.{dtype}{tuple(shape)}"
+
+
 def tensor_digest(tensor: torch.Tensor, scale_inv: torch.Tensor | None = None,
-                  visit: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None) -> str:
-    """The digest of a tensor (and its block scales), hashed CHUNK_BYTES at a time. Each
-    chunk, just hashed and still in the cache, goes to `visit(whole, first element, chunk)`:
-    what else must read every byte (the loader's finiteness check and write) then costs
-    no second pass over memory. Chunking does not change the digest."""
+                  visit: Callable[[int, int, memoryview], None] | None = None) -> str:
+    """`digest` of torch tensors (the same as of their bytes read straight from the file)."""
     import torch
 
     parts = [t.contiguous() for t in (tensor, scale_inv) if t is not None]
-    h = blake3(max_threads=blake3.AUTO if sum(t.nbytes for t in parts) >= PARALLEL_BYTES else 1)
-    for t in parts:
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        flat, step = t.reshape(-1), max(CHUNK_BYTES // t.element_size(), 1)
-        for at in range(0, flat.numel(), step):
-            chunk = flat[at : at + step]
-            h.update(memoryview(chunk.view(torch.uint8).numpy()))  # (releases the GIL)
-            if visit is not None:
-                visit(t, at, chunk)
-    return h.hexdigest()
+    return digest([(describe(str(t.dtype).removeprefix("torch."), tuple(t.shape)),
+                    memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")) for t in parts], visit)
 
 
 def file_identity(path: Path) -> list[int]:

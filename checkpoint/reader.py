@@ -3,8 +3,6 @@ or DeepSeek's native FP8 (e4m3 weights with `weight_scale_inv` block scales)."""
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -14,60 +12,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from preload.checkpoint.config import ModelConfig, weights_dtype
+from preload.checkpoint.headers import CheckpointError, header_problem, safetensors_files
 from preload.checkpoint.pages import populate
-from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
+from preload.checkpoint.shapes import wanted_shapes
 from preload.kernels.fp8 import FP8
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or disagrees with config.json."""
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    return files
-
-
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def header_problem(path: Path) -> str | None:
-    """What is wrong with a safetensors file that safetensors refused, naming the first
-    tensor whose header entry lies (its bytes do not match its shape, or it runs past
-    the end of the file, or overlaps its neighbour)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-            data_bytes = f.seek(0, 2) - 8 - n
-    except (OSError, ValueError) as e:
-        return f"unreadable safetensors header ({e})"
-    header.pop("__metadata__", None)
-    # An entry that lies on its own first (its size, or the file's end), since moving one
-    # entry also leaves a gap beside an honest neighbour.
-    for name, info in header.items():
-        a, b = info["data_offsets"]
-        if b - a != math.prod(info["shape"]) * DTYPE_BYTES.get(info["dtype"], 0):
-            return f"tensor {name}: data_offsets [{a}, {b}] do not hold a {info['dtype']} tensor of shape {info['shape']}"
-        if b > data_bytes:
-            return f"tensor {name}: data_offsets [{a}, {b}] run past the end of the data ({data_bytes} bytes; truncated file?)"
-    end = 0
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        a, b = info["data_offsets"]
-        if a != end:
-            return f"tensor {name}: data_offsets [{a}, {b}] leave a gap or overlap after byte {end}"
-        end = b
-    return None
 
 
 class CheckpointReader:
@@ -110,14 +59,6 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def wanted_shapes(cfg: ModelConfig, reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
-    """The tensors the model runs from: the main model, and the MTP module when the
-    config declares one and the files hold it (transformers saves none)."""
-    mtp = mtp_shapes(cfg) if cfg.num_mtp_layers else {}
-    with_mtp = bool(mtp) and all(name in reader for name in mtp)
-    return checkpoint_shapes(cfg, with_mtp=with_mtp)
 
 
 @dataclass

@@ -6,6 +6,8 @@ so the loader can check a checkpoint before trusting it and the trainer can crea
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from preload.checkpoint.config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
@@ -77,3 +79,12 @@ def checkpoint_shapes(cfg: ModelConfig, with_mtp: bool) -> Shapes:
         shapes |= mtp_shapes(cfg)
     return shapes
 
+
+
+def wanted_shapes(cfg: ModelConfig, stored: Container[str]) -> Shapes:
+    """The tensors the model runs from: the main model, and the MTP module when the
+    config declares one and the files hold it (`stored`: the names they hold;
+    transformers saves no MTP module)."""
+    mtp = mtp_shapes(cfg) if cfg.num_mtp_layers else {}
+    with_mtp = bool(mtp) and all(name in stored for name in mtp)
+    return checkpoint_shapes(cfg, with_mtp=with_mtp)

@@ -3,26 +3,24 @@
 The daemon creates an arena, writes each tensor once, seals it and hands it out;
 workers map it read-only and build tensor views, without copying. Both sides have the
 same shape whatever the transport:
-- daemon side: `write(entry, tensor)`, `seal()`, `info()` (what the manifest carries),
-  `fds()` (what travels over SCM_RIGHTS), `close()`, `size`;
+- daemon side: `write(entry, tensor)`, `write_part(entry, at, bytes)` (no torch),
+  `seal()`, `info()` (what the manifest carries), `fds()` (what travels over
+  SCM_RIGHTS), `close()`, `size`;
 - worker side: `base` (the arena as a flat uint8 tensor), `close()`.
 
 Transports: `memfd` (host memory, ipc/memfd.py) and the CUDA transports `cuda-vmm` and
-`cuda-ipc` (ipc/cuda.py), each imported when used: they import torch, and a daemon that
-takes its weights back from a keeper (HeldArena) must not wait for that.
+`cuda-ipc` (ipc/cuda.py), each imported when used. A daemon makes, fills and seals a
+memfd or cuda-vmm arena without torch (a load with no arithmetic never imports it), and
+one that takes its weights back from a keeper (HeldArena) maps nothing at all.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from preload.ipc.layout import ArenaError
 from preload.ipc.manifest import ArenaInfo
 from preload.options import TRANSPORTS
-
-if TYPE_CHECKING:  # the transports import it: a daemon that only holds an arena (HeldArena) never does
-    import torch
 
 
 def default_transport(device: str) -> str:
@@ -30,11 +28,12 @@ def default_transport(device: str) -> str:
     return "cuda-vmm" if device.startswith("cuda") else "memfd"
 
 
-def create_arena(transport: str, size: int, device: torch.device):
-    """The daemon side of an arena: write(entry, tensor), seal(), info(), fds(), close()."""
+def create_arena(transport: str, size: int, device: str):
+    """The daemon side of an arena on `device` ("cpu", "cuda", "cuda:N"): write(entry,
+    tensor), write_part(entry, at, bytes), seal(), info(), fds(), close()."""
     if transport not in TRANSPORTS:
         raise ArenaError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
-    if (transport == "memfd") != (device.type == "cpu"):
+    if (transport == "memfd") != (device == "cpu"):
         raise ArenaError(f"transport {transport} cannot hold weights on {device}")
     if transport == "memfd":
         from preload.ipc.memfd import MemfdArena

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from preload.ipc.devices import driver as _cu
-from preload.ipc.layout import ArenaError, TensorEntry, check_planned
+from preload.ipc.devices import make_current as _make_current
+from preload.ipc.devices import memory_info
+from preload.ipc.devices import ordinal as _ordinal
+from preload.ipc.layout import ArenaError, TensorEntry, check_part, check_planned
 from preload.ipc.manifest import ArenaInfo
+
+if TYPE_CHECKING:  # the daemon makes, fills (write_part) and seals a cuda-vmm arena without it
+    import torch
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -68,11 +75,25 @@ def _check(result: int, call: str) -> None:
 
 def _device_context(device: torch.device) -> int:
     """Make torch's context for `device` current on this thread; return its ordinal."""
+    import torch
+
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_device(ordinal)
     torch.cuda.init()
     torch.empty(1, device=device)  # forces the primary context into existence
     return ordinal
+
+
+def _torch_device(ordinal: int) -> torch.device:
+    import torch
+
+    return torch.device("cuda", ordinal)
+
+
+def _synchronize(ordinal: int) -> None:
+    """Wait for all work in the device's primary context, every stream (torch's included)."""
+    _make_current(ordinal)
+    _check(_cu().cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 class _CudaBuffer:
@@ -84,13 +105,29 @@ class _CudaBuffer:
 
 
 def _as_tensor(ptr: int, size: int, ordinal: int) -> torch.Tensor:
+    import torch
+
     return torch.as_tensor(_CudaBuffer(ptr, size), device=f"cuda:{ordinal}")
 
 
 def _copy_into(base: torch.Tensor, entry: TensorEntry, tensor: torch.Tensor) -> None:
+    import torch
+
     check_planned(entry, tensor)
     src = tensor.detach().contiguous().view(torch.uint8).reshape(-1)
     base[entry.offset : entry.offset + entry.nbytes].copy_(src, non_blocking=True)
+
+
+def _copy_from_host(ptr: int, ordinal: int, entry: TensorEntry, at: int, data: memoryview) -> None:
+    """Host bytes of `entry` from byte `at` on into the arena at `ptr`, copied before this
+    returns (from pageable memory: the driver stages them), from any thread, without torch."""
+    check_part(entry, at, len(data))
+    if not len(data):
+        return
+    _make_current(ordinal)
+    src = np.frombuffer(data, dtype=np.uint8).ctypes.data  # (a read-only mapping has an address too)
+    _check(_cu().cuMemcpyHtoD_v2(ctypes.c_uint64(ptr + entry.offset + at), ctypes.c_void_p(src), ctypes.c_size_t(len(data))),
+           "cuMemcpyHtoD")
 
 
 def _prop(ordinal: int) -> CUmemAllocationProp:
@@ -127,8 +164,9 @@ def granularity(ordinal: int) -> int:
     return g.value
 
 
-def check_device_memory(size: int, device: torch.device) -> None:
-    free, _ = torch.cuda.mem_get_info(device)
+def check_device_memory(size: int, ordinal: int) -> None:
+    device = f"cuda:{ordinal}"
+    free, _ = memory_info(device)
     if size > free:
         raise ArenaError(f"not enough memory on {device} for the arena: need {size / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
 
@@ -145,7 +183,7 @@ class _VmmHolder:
     def close(self) -> None:
         self.base = None
         if self.ptr is not None:
-            torch.cuda.synchronize(self.ordinal)  # no kernel may still read the range
+            _synchronize(self.ordinal)  # no kernel may still read the range
             _unmap(self.ptr, self.size)
             self.ptr = None
         if self.handle is not None:
@@ -157,15 +195,17 @@ class _VmmHolder:
 
 
 class VmmArena(_VmmHolder):
-    """Daemon side of a cuda-vmm arena."""
+    """Daemon side of a cuda-vmm arena: made, filled and sealed through the driver alone
+    (write_part); `write` of torch tensors imports torch (a load that quantizes has it)."""
 
     transport = "cuda-vmm"
 
-    def __init__(self, size: int, device: torch.device):
-        self.ordinal = _device_context(device)
+    def __init__(self, size: int, device: str):
+        self.ordinal = _ordinal(device)
+        _make_current(self.ordinal)
         g = granularity(self.ordinal)
         self.size = -(-size // g) * g
-        check_device_memory(self.size, device)
+        check_device_memory(self.size, self.ordinal)
         cu, handle = _cu(), ctypes.c_uint64()
         _check(cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.size), ctypes.byref(_prop(self.ordinal)), ctypes.c_ulonglong(0)), "cuMemCreate")
         self.handle = handle.value
@@ -178,14 +218,22 @@ class VmmArena(_VmmHolder):
         except BaseException:
             self.close()
             raise
-        self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+
+    def as_tensor(self) -> torch.Tensor:
+        """The arena as a flat uint8 tensor (made on first use: it imports torch)."""
+        if self.base is None:
+            self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+        return self.base
 
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
-        _copy_into(self.base, entry, tensor)
+        _copy_into(self.as_tensor(), entry, tensor)
+
+    def write_part(self, entry: TensorEntry, at: int, data: memoryview) -> None:
+        _copy_from_host(self.ptr, self.ordinal, entry, at, data)
 
     def seal(self) -> None:
         """Drop the daemon's own writable mapping: from now on only read-only maps exist."""
-        torch.cuda.synchronize(self.ordinal)
+        _synchronize(self.ordinal)
         self.base = None
         _unmap(self.ptr, self.size)
         self.ptr = None
@@ -207,7 +255,7 @@ class VmmMapping(_VmmHolder):
         self.size, self.ordinal = info.size, info.device
         self.fd = fds[0]
         try:
-            _device_context(torch.device("cuda", self.ordinal))
+            _device_context(_torch_device(self.ordinal))  # (a worker: torch's current device too)
             handle = ctypes.c_uint64()
             _check(_cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(self.fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
             self.handle = handle.value
@@ -224,10 +272,11 @@ class IpcArena:
 
     transport = "cuda-ipc"
 
-    def __init__(self, size: int, device: torch.device):
-        self.ordinal = _device_context(device)
+    def __init__(self, size: int, device: str):
+        self.ordinal = _ordinal(device)
+        _make_current(self.ordinal)
         self.size = size
-        check_device_memory(size, device)
+        check_device_memory(size, self.ordinal)
         ptr = ctypes.c_uint64()
         _check(_cu().cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
         self.ptr = ptr.value
@@ -239,8 +288,11 @@ class IpcArena:
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         _copy_into(self.base, entry, tensor)
 
+    def write_part(self, entry: TensorEntry, at: int, data: memoryview) -> None:
+        _copy_from_host(self.ptr, self.ordinal, entry, at, data)
+
     def seal(self) -> None:
-        torch.cuda.synchronize(self.ordinal)
+        _synchronize(self.ordinal)
 
     def info(self) -> ArenaInfo:
         return ArenaInfo(self.transport, self.size, self.ordinal, self.ipc_handle)
@@ -251,7 +303,7 @@ class IpcArena:
     def close(self) -> None:
         self.base = None
         if self.ptr is not None:
-            torch.cuda.synchronize(self.ordinal)
+            _synchronize(self.ordinal)
             _cu().cuMemFree_v2(ctypes.c_uint64(self.ptr))
             self.ptr = None
 
@@ -261,7 +313,7 @@ class IpcMapping:
         for fd in fds:
             os.close(fd)
         self.size, self.ordinal = info.size, info.device
-        _device_context(torch.device("cuda", self.ordinal))
+        _device_context(_torch_device(self.ordinal))
         ipc = CUipcMemHandle.from_buffer_copy(info.ipc_handle)
         ptr = ctypes.c_uint64()
         open_handle = _cu().cuIpcOpenMemHandle_v2
@@ -273,6 +325,6 @@ class IpcMapping:
     def close(self) -> None:
         self.base = None
         if self.ptr is not None:
-            torch.cuda.synchronize(self.ordinal)
+            _synchronize(self.ordinal)
             _cu().cuIpcCloseMemHandle(ctypes.c_uint64(self.ptr))
             self.ptr = None

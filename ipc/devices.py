@@ -47,13 +47,45 @@ def resolve_device_name(device: str) -> str:
     return device
 
 
+def ordinal(device: str) -> int:
+    """cuda:N -> N; "cuda" is cuda:0, the first GPU CUDA shows this process."""
+    return int(device.partition(":")[2] or 0)
+
+
 def gpu_uuid(device: str) -> str:
     """The UUID of GPU `device` ("cuda" is cuda:0), as torch's device properties print it."""
-    ordinal, count = int(device.partition(":")[2] or 0), cuda_device_count()
-    if ordinal >= count:
+    ordinal_, count = ordinal(device), cuda_device_count()
+    if ordinal_ >= count:
         raise ValueError(f"device {device}: CUDA shows this process {count} GPU{'s' * (count != 1)}")
     cu, handle, uuid = driver(), ctypes.c_int(), (ctypes.c_ubyte * 16)()
-    if cu.cuDeviceGet(ctypes.byref(handle), ordinal) != 0 or cu.cuDeviceGetUuid(ctypes.byref(uuid), handle) != 0:
+    if cu.cuDeviceGet(ctypes.byref(handle), ordinal_) != 0 or cu.cuDeviceGetUuid(ctypes.byref(uuid), handle) != 0:
         raise ValueError(f"device {device}: the CUDA driver gives no UUID for it")
     h = bytes(uuid).hex()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_primary: dict[int, ctypes.c_void_p] = {}
+
+
+def make_current(index: int) -> None:
+    """Make GPU `index`'s primary context (the one torch uses) current on this thread,
+    through the driver alone: retained once per process and never released, as torch
+    does. RuntimeError if the driver refuses."""
+    cu = driver()
+    if index not in _primary:
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        if cu.cuInit(0) != 0 or cu.cuDeviceGet(ctypes.byref(dev), index) != 0 \
+                or cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            raise RuntimeError(f"cuda:{index}: the CUDA driver gives no context for it")
+        _primary.setdefault(index, ctx)
+    if cu.cuCtxSetCurrent(_primary[index]) != 0:
+        raise RuntimeError(f"cuda:{index}: cuCtxSetCurrent failed")
+
+
+def memory_info(device: str) -> tuple[int, int]:
+    """(free, total) bytes of GPU `device` ("cuda" is cuda:0), as torch.cuda.mem_get_info."""
+    make_current(ordinal(device))
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if driver().cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+        raise RuntimeError(f"{device}: cuMemGetInfo failed")
+    return free.value, total.value

@@ -37,9 +37,10 @@ class KvMemory:
         if device.type == "cuda":
             from preload.ipc.cuda import VmmArena
 
-            arena = VmmArena(size, device)
-            arena.base.zero_()
-            return cls(arena.base, os.dup(arena.fd), arena, fresh=True)
+            arena = VmmArena(size, str(device))
+            base = arena.as_tensor()
+            base.zero_()
+            return cls(base, os.dup(arena.fd), arena, fresh=True)
         fd = os.memfd_create("preload-kv", os.MFD_CLOEXEC)  # zero-filled, like any new file
         try:
             os.ftruncate(fd, size)

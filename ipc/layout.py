@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from preload.checkpoint.headers import DTYPE_BYTES, TORCH_NAMES
+
 if TYPE_CHECKING:  # (no torch, no numpy: the daemon reads and hands on layouts without them; ipc/views.py views them)
     import torch
 
@@ -32,12 +34,16 @@ class TensorEntry:
     nbytes: int
 
 
-def pack(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list[TensorEntry], int]:
-    """Lay tensors out back to back at ALIGN-byte offsets; returns entries and total size."""
+ITEMSIZE = {TORCH_NAMES[code]: size for code, size in DTYPE_BYTES.items()}  # by torch dtype name
+
+
+def pack(specs: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[list[TensorEntry], int]:
+    """Lay tensors (name, torch dtype name, shape) out back to back at ALIGN-byte offsets;
+    returns entries and total size."""
     entries, offset = [], 0
     for name, dtype, shape in specs:
-        nbytes = dtype.itemsize * math.prod(shape)
-        entries.append(TensorEntry(name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
+        nbytes = ITEMSIZE[dtype] * math.prod(shape)
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     return entries, max(offset, ALIGN)
 
@@ -80,3 +86,13 @@ def check_planned(entry: TensorEntry, tensor: torch.Tensor) -> None:
         raise ArenaError(f"tensor {entry.name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}")
 
 
+def check_part(entry: TensorEntry, at: int, n: int) -> None:
+    if at < 0 or at + n > entry.nbytes:
+        raise ArenaError(f"tensor {entry.name}: bytes [{at}, {at + n}) lie outside its {entry.nbytes}")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, flat (a device tensor is copied to the host first)."""
+    import torch
+
+    return memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")

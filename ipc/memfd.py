@@ -12,11 +12,13 @@ import mmap
 import os
 import threading
 import warnings
+from typing import TYPE_CHECKING
 
-import torch
-
-from preload.ipc.layout import ArenaError, TensorEntry, check_planned
+from preload.ipc.layout import ArenaError, TensorEntry, check_part, check_planned, tensor_bytes
 from preload.ipc.manifest import ArenaInfo
+
+if TYPE_CHECKING:  # (imported where tensors are: a daemon that loads without arithmetic never does)
+    import torch
 
 ALLOCATE_CHUNK = 64 << 20
 MEMFD_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -54,14 +56,12 @@ class MemfdArena:
 
     def write(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         check_planned(entry, tensor)
-        self.write_part(entry, 0, tensor)
+        self.write_part(entry, 0, tensor_bytes(tensor))
 
-    def write_part(self, entry: TensorEntry, at: int, part: torch.Tensor) -> None:
+    def write_part(self, entry: TensorEntry, at: int, data: memoryview) -> None:
         """Bytes of `entry` from byte `at` on: a chunk of the tensor, written while the
         loader's pass over it (hash, check) still has it in the cache."""
-        data = memoryview(part.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
-        if at < 0 or at + len(data) > entry.nbytes:
-            raise ArenaError(f"tensor {entry.name}: bytes [{at}, {at + len(data)}) lie outside its {entry.nbytes}")
+        check_part(entry, at, len(data))
         done = 0
         while done < len(data):
             done += os.pwrite(self.fd, data[done:], entry.offset + at + done)
@@ -105,6 +105,8 @@ class MappedArena:
         except BaseException:
             os.close(self.fd)
             raise
+        import torch
+
         with warnings.catch_warnings():
             # The buffer is read-only on purpose: a write faults instead of touching the weights.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from preload.kernels.fp8 import FP8, dequantize_block, quantize_block
+from preload.kernels.precision import stored_dtype
 from preload.options import QUANT_MODES
 
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
-# Kept in float32 whatever the model dtype: routing decisions are sensitive to rounding.
-FLOAT32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias")
 
 
 def is_quantizable(name: str) -> bool:
@@ -29,7 +28,7 @@ def is_quantizable(name: str) -> bool:
 
 
 def high_precision_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
+    return getattr(torch, stored_dtype(name, str(dtype).removeprefix("torch.")))
 
 
 def quantize_weight(

@@ -22,12 +22,13 @@ import psutil
 
 from preload.checkpoint.config import ModelConfig, weights_dtype
 from preload.ipc.arena import HeldArena, default_transport
-from preload.ipc.devices import gpu_uuid, resolve_device_name
+from preload.ipc.devices import gpu_uuid, memory_info, resolve_device_name
 from preload.ipc.protocol import ProtocolError, fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
+from preload.preloadd.copy_loader import copy_plan, load_copied
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
@@ -45,7 +46,8 @@ class DaemonError(RuntimeError):
 @dataclass(frozen=True)
 class Resolved:
     """The daemon's options with every `auto` decided for this machine, by name: torch is
-    imported only to load (a daemon that takes its weights back from a keeper never does)."""
+    imported only for a load with arithmetic to do (quantizing, converting; not a copy, not
+    taking weights back from a keeper)."""
 
     model: Path
     device: str  # "cpu", "cuda" or "cuda:N", as torch prints it
@@ -125,9 +127,7 @@ class Daemon:
         utilization the workers were given (host memory is not budgeted)."""
         if self.r.device == "cpu":
             return True
-        import torch  # (on the supervisor's thread, once a worker is to start: never on the way to ready)
-
-        free, total = torch.cuda.mem_get_info(self.r.device)
+        free, total = memory_info(self.r.device)  # (the driver's answer: this daemon may never import torch)
         return free - kv_cache_bytes >= (1 - self.opts.worker.engine.gpu_memory_utilization) * total
 
     def arena_fds(self) -> tuple[dict, list[int]]:
@@ -200,7 +200,9 @@ class Daemon:
                                                             "health_port": self.ports["health"],
                                                             "api_port": self.ports["api"]})
             self._install_signal_handlers()
-            if kept is None:  # a load follows: torch now (/health answers meanwhile), before the zygote's import competes
+            if kept is None and copy_plan(r.model, o.quant, r.dtype, r.transport) is None:
+                # A load with arithmetic follows: torch now (/health answers meanwhile), before the
+                # zygote's import competes. (A copy needs none: preloadd/copy_loader.py.)
                 import torch  # noqa: F401
             if o.workers:
                 # Workers compile their Triton kernels once per state dir, not once per start:
@@ -318,12 +320,15 @@ class Daemon:
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
-        import torch
+        loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress)
+        if loaded is None:  # quantized or converted: the loader that computes, with torch
+            import torch
 
-        from preload.preloadd.loader import load
+            from preload.preloadd.loader import load
 
-        self._loaded(load(r.model, o.quant, getattr(torch, r.dtype), torch.device(r.device), r.transport, self.progress,
-                          on_progress))
+            loaded = load(r.model, o.quant, getattr(torch, r.dtype), torch.device(r.device), r.transport, self.progress,
+                          on_progress)
+        self._loaded(loaded)
 
     def _readopt(self, link: KeeperLink, kept: Kept) -> bool:
         """Own the weights a keeper held through a crash, if they are what we would load

@@ -2,12 +2,12 @@
 
 The arena is sized and laid out from the config before any weight is read, so a
 checkpoint that cannot fit fails before memory is taken, and peak host memory stays
-near the largest tensor rather than the model.
+near the largest tensor rather than the model. A load with no arithmetic to do (nothing
+quantized or converted) goes through preloadd/copy_loader.py instead, without torch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -15,17 +15,18 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import psutil
 import torch
 
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.identity import AUX_FILES, checkpoint_record, fingerprint, tensor_digest
-from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_checkpoint, wanted_shapes
+from preload.checkpoint.finite import all_finite
+from preload.checkpoint.identity import tensor_digest
+from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_checkpoint
+from preload.checkpoint.shapes import wanted_shapes
 from preload.ipc.arena import create_arena
-from preload.ipc.layout import Layout, TensorEntry, pack
-from preload.ipc.manifest import FILE_PREFIX, Manifest
+from preload.ipc.layout import TensorEntry, pack
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight, stored_layout
-from preload.preloadd.weights import Loaded, LoadError, Progress
+from preload.preloadd.copy_loader import aux_files, aux_specs, check_memory, manifest_of, nonfinite, publish
+from preload.preloadd.weights import Loaded, Progress
 
 LOADER_THREADS = 8
 
@@ -35,33 +36,13 @@ def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> t
     with CheckpointReader(model_dir) as reader:
         shapes = wanted_shapes(cfg, reader)
     specs = [
-        (name, stored_dtype, stored_shape)
+        (name, str(stored_dtype).removeprefix("torch."), stored_shape)
         for source, shape in shapes.items()
         for name, (stored_dtype, stored_shape) in stored_layout(source, shape, quant, dtype).items()
     ]
-    files = {name: (model_dir / name).read_bytes() for name in AUX_FILES if (model_dir / name).exists()}
-    specs += [(FILE_PREFIX + name, torch.uint8, (len(data),)) for name, data in files.items()]
-    entries, size = pack(specs)
+    files = aux_files(model_dir)
+    entries, size = pack(specs + aux_specs(files))
     return entries, size, files
-
-
-def finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in a weight (e4m3 has no Inf; its NaN is every exponent and mantissa bit set).
-    One reduction: a NaN anywhere makes both the min and the max NaN, an infinity is one of
-    them (20x faster than isfinite().all() on a CPU, which makes a tensor of booleans)."""
-    if t.dtype == torch.float8_e4m3fn:
-        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def check_memory(size: int, device: torch.device) -> None:
-    if device.type == "cpu":
-        available = psutil.virtual_memory().available
-        if size > available:
-            raise LoadError(f"not enough host memory for the arena: need {size / 2**30:.2f} GiB, {available / 2**30:.2f} GiB available")
 
 
 def load(
@@ -79,8 +60,8 @@ def load(
         entries, size, files = plan(cfg, model_dir, quant, dtype)
     by_name = {e.name: e for e in entries}
     progress.total_bytes, progress.tensors_total = size, len(entries)
-    check_memory(size, device)
-    arena = create_arena(transport, size, device)
+    check_memory(size, str(device))
+    arena = create_arena(transport, size, str(device))
     digests, sources, lock = {}, {}, threading.Lock()
 
     def store(src: SourceTensor) -> None:
@@ -90,12 +71,13 @@ def load(
         as_read = (arena.transport == "memfd" and src.scale_inv is None and src.name + SCALE_SUFFIX not in by_name
                    and entry.dtype == str(src.tensor.dtype).removeprefix("torch.") and entry.shape == tuple(src.tensor.shape))
 
-        def visit(whole: torch.Tensor, first: int, chunk: torch.Tensor) -> None:
-            if not finite(chunk):
-                what = src.name if whole is not src.scale_inv else f"{src.name} scales"
-                raise LoadError(f"{src.path}: tensor {what} holds NaN or Inf values; every request would fail")
+        def visit(part: int, at: int, chunk: memoryview) -> None:
+            if not all_finite(str(parts[part].dtype).removeprefix("torch."), chunk):
+                raise nonfinite(src.path, f"{src.name} scales" if part else src.name)
             if as_read:
-                arena.write_part(entry, first * chunk.element_size(), chunk)
+                arena.write_part(entry, at, chunk)
+
+        parts = [t for t in (src.tensor, src.scale_inv) if t is not None]
 
         with progress.timed("hash"):  # one pass over the source: hashed, checked (and written as read) per chunk
             digest = tensor_digest(src.tensor, src.scale_inv, visit)
@@ -134,26 +116,11 @@ def load(
                         f.result()
             for f in pending:
                 f.result()
-        with progress.timed("publish"):  # the config and tokenizer files in, the seals on
-            for name, data in files.items():
-                arena.write(by_name[FILE_PREFIX + name], torch.frombuffer(bytearray(data), dtype=torch.uint8))
-                progress.tensors_done += 1
-            arena.seal()
+        publish(arena, by_name, files, progress)
     except BaseException:
         arena.close()  # the last fd: the memory is gone with it
         raise
     progress.done_bytes = size
     progress.seconds = time.monotonic() - progress.started
-    settings = {"quant": quant, "dtype": str(dtype).removeprefix("torch.")}
-    record = checkpoint_record(model_dir, digests, sources)
-    manifest = Manifest(
-        model=str(model_dir),
-        config=json.loads(files["config.json"]),
-        **settings,
-        device=str(device),
-        arena=arena.info(),
-        layout=Layout.of(entries),
-        record=record,
-        fingerprint=fingerprint(record.aux, digests, settings),
-    )
-    return Loaded(arena, manifest)
+    return Loaded(arena, manifest_of(model_dir, files, quant, str(dtype).removeprefix("torch."), str(device), arena,
+                                     entries, digests, sources))

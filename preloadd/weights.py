@@ -24,8 +24,9 @@ class LoadError(RuntimeError):
     pass
 
 
-# hash: the one pass over each source tensor, chunk by chunk: hashed, checked for NaN and
-# Inf, and (host arena, stored as read) written; upload, quantize and write: the rest's way in.
+# read: pages mapped in; hash: the one pass over each source tensor, chunk by chunk: hashed,
+# checked for NaN and Inf, and (stored as read) copied in, which preloadd/copy_loader.py times
+# apart as write (host) or upload (GPU); upload, quantize and write: the rest's way in.
 STAGES = ("plan", "read", "hash", "upload", "quantize", "write", "publish")
 
 
@@ -51,8 +52,13 @@ class Progress:
         try:
             yield
         finally:
-            with self._lock:
-                self.stages[stage] += time.perf_counter() - t
+            self.add({stage: time.perf_counter() - t})
+
+    def add(self, seconds: dict[str, float]) -> None:
+        """Seconds a thread spent per stage, timed by itself."""
+        with self._lock:
+            for stage, s in seconds.items():
+                self.stages[stage] += s
 
     def as_dict(self) -> dict:
         return {

@@ -98,12 +98,14 @@ def test_a_start_that_fails_while_binding_logs_its_cause_as_an_error(tiny_checkp
 
 def test_a_daemon_whose_imports_fail_logs_the_cause_as_an_error(tiny_checkpoint, tmp_path, monkeypatch):
     """A broken install (here a torch that cannot be imported, which `preload start` itself
-    never imports) is a failed start like any other: an ERROR line, and its cause on stderr."""
+    never imports, and the daemon only for a load that quantizes) is a failed start like any
+    other: an ERROR line, and its cause on stderr."""
     broken = tmp_path / "broken-site" / "torch"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text('raise ImportError("this torch is broken on purpose")\n')
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")])))
-    stderr, errors, log = failed_start(tmp_path / "state", "--model", tiny_checkpoint, "--health-port", "0")
+    stderr, errors, log = failed_start(tmp_path / "state", "--model", tiny_checkpoint, "--quant", "fp8_block",
+                                       "--health-port", "0")
     assert any("this torch is broken on purpose" in e for e in errors), log
     assert "this torch is broken on purpose" in stderr
 

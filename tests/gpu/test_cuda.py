@@ -57,8 +57,8 @@ def daemon(tmp_path, model_dir):
 
 
 def test_vmm_arena_is_shared_read_only(tmp_path):
-    entries, size = pack([("w", torch.float32, (1024,))])
-    arena = create_arena("cuda-vmm", size, torch.device("cuda:0"))
+    entries, size = pack([("w", "float32", (1024,))])
+    arena = create_arena("cuda-vmm", size, "cuda:0")
     data = torch.arange(1024, dtype=torch.float32, device="cuda:0")
     arena.write(entries[0], data)
     arena.seal()
@@ -128,6 +128,31 @@ def test_cuda_ipc_and_vmm_give_identical_outputs(daemon, model_dir):
         llm.close()
         run_preload("stop", "--state-dir", str(state))
     assert outs[0] == outs[1]
+
+
+def test_a_copy_into_device_memory_stores_what_the_computing_loader_stores(model_dir, monkeypatch):
+    """The load without torch (the driver's copies into the VMM arena from every loader
+    thread; the router widened to float32 on the host), with 4 KiB chunks and with whole
+    tensors: the same bytes and manifest as the loader that computes on the GPU."""
+    from preload.checkpoint import identity
+    from preload.preloadd.copy_loader import load_copied
+    from preload.preloadd.loader import load
+    from preload.preloadd.weights import Progress
+
+    def stored(loaded) -> tuple[bytes, dict]:
+        mapped = map_arena(loaded.arena.info(), [os.dup(loaded.arena.fds()[0])])
+        data = mapped.base.cpu().numpy().tobytes()
+        mapped.close()
+        loaded.arena.close()
+        return data, loaded.manifest.to_wire()
+
+    computed = stored(load(model_dir, "none", torch.bfloat16, torch.device("cuda:0"), "cuda-vmm", Progress()))
+    for chunk in (1 << 40, 4096):
+        monkeypatch.setattr(identity, "CHUNK_BYTES", chunk)
+        progress = Progress()
+        copied = load_copied(model_dir, "none", "bfloat16", "cuda:0", "cuda-vmm", progress)
+        assert copied is not None and progress.stages["upload"] > 0
+        assert stored(copied) == computed
 
 
 def test_the_daemon_knows_a_gpu_by_the_uuid_torch_gives_it():

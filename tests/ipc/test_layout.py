@@ -16,7 +16,7 @@ SPECS = [("a", torch.float32, (3, 5)), ("b", torch.bfloat16, (7,)), ("c", torch.
 
 def arena() -> tuple[torch.Tensor, dict]:
     """A flat uint8 arena holding SPECS, and the layout's wire form."""
-    entries, size = pack(SPECS)
+    entries, size = pack([(name, str(dtype).removeprefix("torch."), shape) for name, dtype, shape in SPECS])
     base = torch.zeros(size, dtype=torch.uint8)
     for e, (_, dtype, shape) in zip(entries, SPECS):
         t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).to(dtype).reshape(shape)

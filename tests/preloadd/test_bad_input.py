@@ -24,7 +24,7 @@ import torch
 from daemons import PRELOAD, START_TIMEOUT, daemon_processes, free_port, port_is_free, preload, sockets_in, stop_everything
 from safetensors.torch import load_file, save_file
 
-from preload.preloadd.loader import check_memory
+from preload.preloadd.copy_loader import check_memory
 from preload.preloadd.weights import LoadError
 
 DENSE = "model.layers.0.mlp.down_proj.weight"
@@ -289,5 +289,5 @@ def test_check_memory_refuses_an_arena_larger_than_available_memory():
     the end-to-end case above (`too-little-memory`) uses an absurd config instead."""
     available = psutil.virtual_memory().available
     with pytest.raises(LoadError, match="memory"):
-        check_memory(available + 2**30, torch.device("cpu"))
-    check_memory(1 << 20, torch.device("cpu"))  # a small arena passes
+        check_memory(available + 2**30, "cpu")
+    check_memory(1 << 20, "cpu")  # a small arena passes

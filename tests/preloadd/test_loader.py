@@ -6,12 +6,11 @@ memfd arena's allocating thread never outlives it."""
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from checkpoints import with_a_bad_last_value
 
 from preload.checkpoint import identity
 from preload.ipc.memfd import MemfdArena
@@ -67,13 +66,7 @@ def test_one_pass_a_chunk_at_a_time_stores_the_same_bytes_and_fingerprint(tiny_c
 
 
 def test_a_nan_in_the_last_chunk_of_a_tensor_is_named(tiny_checkpoint, tmp_path, monkeypatch):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_checkpoint, model)
-    (path,) = model.glob("*.safetensors")
-    tensors = load_file(path)
-    name = max(tensors, key=lambda n: tensors[n].numel())
-    tensors[name].view(-1)[-1] = float("nan")
-    save_file(tensors, path)
+    model, name = with_a_bad_last_value(tiny_checkpoint, tmp_path / "model", float("nan"))
     monkeypatch.setattr(identity, "CHUNK_BYTES", 256)
     with pytest.raises(LoadError, match=f"tensor {name} holds NaN or Inf"):
         load(model, "none", torch.float32, torch.device("cpu"), "memfd", Progress())

@@ -1,0 +1,200 @@
+"""Loading a checkpoint that needs no arithmetic, without torch: every tensor is stored as
+the file holds it (a bfloat16 or float16 router weight is widened to float32, bit for bit).
+
+That is a `--quant none` load of a checkpoint already in the model's dtype (DeepSeek
+V2-Lite's bf16 files on a GPU; a float32 checkpoint on the CPU) into a memfd or cuda-vmm
+arena. The daemon then needs no torch to be ready: on a GPU host `import torch` alone
+takes 4-6 s, longer than reading V2-Lite's 31 GB from the page cache. The files are
+mapped, and a pool of threads takes each tensor a chunk at a time, while the chunk is in
+the cache: hashed (BLAKE3), checked for NaN and Inf (numpy) and copied into the arena
+(memfd: pwrite; cuda-vmm: the driver's copy from pageable memory). All three release the
+GIL. Any other load (quantized, converted, native FP8, cuda-ipc) is preloadd/loader.py's,
+which shares with this file the arena's plan and publishing and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.finite import all_finite
+from preload.checkpoint.headers import CheckpointError, StoredTensor, read_headers
+from preload.checkpoint.identity import AUX_FILES, checkpoint_record, describe, digest, fingerprint
+from preload.checkpoint.pages import populate
+from preload.checkpoint.shapes import wanted_shapes
+from preload.ipc.arena import create_arena
+from preload.ipc.layout import Layout, TensorEntry, pack
+from preload.ipc.manifest import FILE_PREFIX, Manifest
+from preload.kernels.precision import stored_dtype
+from preload.preloadd.weights import Loaded, LoadError, Progress
+
+LOADER_THREADS = 16
+WIDENED = ("bfloat16", "float16")  # to float32, exactly
+
+
+def aux_files(model_dir: Path) -> dict[str, bytes]:
+    """The config and tokenizer files, stored in the arena beside the weights."""
+    return {name: (model_dir / name).read_bytes() for name in AUX_FILES if (model_dir / name).exists()}
+
+
+def aux_specs(files: dict[str, bytes]) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(FILE_PREFIX + name, "uint8", (len(data),)) for name, data in files.items()]
+
+
+def check_memory(size: int, device: str) -> None:
+    if device == "cpu":
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise LoadError(f"not enough host memory for the arena: need {size / 2**30:.2f} GiB, {available / 2**30:.2f} GiB available")
+
+
+def nonfinite(path: Path, what: str) -> LoadError:
+    return LoadError(f"{path}: tensor {what} holds NaN or Inf values; every request would fail")
+
+
+def publish(arena, by_name: dict[str, TensorEntry], files: dict[str, bytes], progress: Progress) -> None:
+    """The config and tokenizer files in, then the seals on."""
+    with progress.timed("publish"):
+        for name, data in files.items():
+            arena.write_part(by_name[FILE_PREFIX + name], 0, memoryview(data))
+            progress.tensors_done += 1
+        arena.seal()
+
+
+def manifest_of(model_dir: Path, files: dict[str, bytes], quant: str, dtype: str, device: str, arena,
+                entries: list[TensorEntry], digests: dict[str, str], sources: dict[str, Path]) -> Manifest:
+    settings = {"quant": quant, "dtype": dtype}
+    record = checkpoint_record(model_dir, digests, sources)
+    return Manifest(model=str(model_dir), config=json.loads(files["config.json"]), **settings, device=device,
+                    arena=arena.info(), layout=Layout.of(entries), record=record,
+                    fingerprint=fingerprint(record.aux, digests, settings))
+
+
+@dataclass
+class CopyPlan:
+    stored: dict[str, StoredTensor]  # the source of each weight, in the config's order
+    entries: list[TensorEntry]
+    size: int
+    files: dict[str, bytes]
+
+
+def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str) -> CopyPlan | None:
+    """The plan of a load that needs no arithmetic, or None if this one needs some (or
+    the checkpoint is faulty: preloadd/loader.py then says how, as for any load)."""
+    if quant != "none" or transport not in ("memfd", "cuda-vmm"):
+        return None
+    try:
+        cfg = ModelConfig.from_dir(model_dir)
+        headers = read_headers(model_dir)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    stored, specs = {}, []
+    for name, shape in wanted_shapes(cfg, headers).items():
+        source, want = headers.get(name), stored_dtype(name, dtype)
+        if source is None or source.shape != shape or not (source.dtype == want or (want == "float32" and source.dtype in WIDENED)):
+            return None
+        stored[name] = source
+        specs.append((name, want, shape))
+    files = aux_files(model_dir)
+    entries, size = pack(specs + aux_specs(files))
+    return CopyPlan(stored, entries, size, files)
+
+
+def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport: str, progress: Progress,
+                on_progress: Callable[[Progress], None] = lambda p: None) -> Loaded | None:
+    """Load `model_dir` as preloadd/loader.py would (the same arena bytes, layout and
+    fingerprint), without torch; None if this load needs arithmetic (nothing done then)."""
+    progress.started = time.monotonic()  # the load alone: not the imports or the daemon's start before it
+    with progress.timed("plan"):
+        plan = copy_plan(model_dir, quant, dtype, transport)
+    if plan is None:
+        return None
+    by_name = {e.name: e for e in plan.entries}
+    progress.total_bytes, progress.tensors_total = plan.size, len(plan.entries)
+    check_memory(plan.size, device)
+    arena = create_arena(transport, plan.size, device)
+    digests, lock = {}, threading.Lock()
+    maps, addresses = {}, {}
+    try:
+        for path in sorted({s.path for s in plan.stored.values()}):
+            with open(path, "rb") as f:
+                maps[path] = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            addresses[path] = np.frombuffer(maps[path], dtype=np.uint8).ctypes.data  # (the array goes at once)
+
+        def store(name: str) -> None:
+            source, entry = plan.stored[name], by_name[name]
+            widen = entry.dtype != source.dtype
+            spent = {"read": 0.0, "write": 0.0}
+            t = time.perf_counter()
+            populate(addresses[source.path] + source.start, source.end - source.start)  # (pages.py)
+            spent["read"] = time.perf_counter() - t
+
+            def visit(_part: int, at: int, chunk: memoryview) -> None:
+                if not all_finite(source.dtype, chunk):
+                    raise nonfinite(source.path, name)
+                t = time.perf_counter()
+                if widen:
+                    arena.write_part(entry, at * 2, memoryview(widened(source.dtype, chunk)).cast("B"))
+                else:
+                    arena.write_part(entry, at, chunk)
+                spent["write"] += time.perf_counter() - t
+
+            t, failure = time.perf_counter(), None
+            try:
+                with memoryview(maps[source.path]) as whole:
+                    digests[name] = digest([(describe(source.dtype, source.shape), whole[source.start : source.end])], visit)
+            except Exception as e:  # raised again without its frames: they hold views that keep the mapping open
+                failure = e.with_traceback(None)
+            if failure is not None:
+                raise failure
+            spent["hash"] = time.perf_counter() - t - spent["write"]
+            spent["upload" if transport != "memfd" else "write"] = spent.pop("write")  # (into device memory: upload)
+            with lock:
+                progress.add(spent)
+                progress.done_bytes += entry.nbytes
+                progress.tensors_done += 1
+                on_progress(progress)
+
+        in_file_order = sorted(plan.stored, key=lambda n: (plan.stored[n].path, plan.stored[n].start))
+        with ThreadPoolExecutor(min(LOADER_THREADS, os.cpu_count() or 1), thread_name_prefix="load") as pool:
+            futures = [pool.submit(store, name) for name in in_file_order]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        publish(arena, by_name, plan.files, progress)
+    except BaseException:
+        arena.close()  # the last fd: the memory is gone with it
+        raise
+    finally:
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view still held by a failed store's traceback: unmapped when it goes
+                pass
+    progress.done_bytes = plan.size
+    progress.seconds = time.monotonic() - progress.started
+    sources = {name: s.path for name, s in plan.stored.items()}
+    manifest = manifest_of(model_dir, plan.files, quant, dtype, device, arena, plan.entries, digests, sources)
+    return Loaded(arena, manifest)
+
+
+def widened(dtype: str, chunk: memoryview) -> np.ndarray:
+    """A bfloat16 or float16 chunk as float32 (exact: bfloat16 is float32's upper half)."""
+    if dtype == "bfloat16":
+        return np.frombuffer(chunk, dtype=np.uint16).astype(np.uint32) << 16
+    return np.frombuffer(chunk, dtype=np.float16).astype(np.float32)

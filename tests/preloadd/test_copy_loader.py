@@ -1,0 +1,111 @@
+"""A load with no arithmetic to do (`--quant none`, the checkpoint already in the model's
+dtype) is a copy, made without torch: the same arena bytes, layout and fingerprint as the
+loader that computes, whatever the chunk; a bfloat16 router weight widened to float32 bit
+for bit; a NaN named; any load that must compute left to the other loader; and a daemon
+that loads so is ready without ever mapping libtorch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import with_a_bad_last_value
+from daemons import running_daemon
+from safetensors.torch import load_file, save_file
+
+from preload.checkpoint import identity
+from preload.preloadd.copy_loader import copy_plan, load_copied
+from preload.preloadd.loader import load
+from preload.preloadd.weights import LoadError, Progress
+
+
+def arena_bytes(loaded) -> bytes:
+    return os.pread(loaded.arena.fd, loaded.arena.size, 0)
+
+
+def both_loads(model: Path, dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """(bytes, manifest) of the copy and of the computing loader, each arena closed."""
+    out = []
+    for copied in (True, False):
+        name = str(dtype).removeprefix("torch.")
+        progress = Progress()
+        loaded = (load_copied(model, "none", name, "cpu", "memfd", progress) if copied
+                  else load(model, "none", dtype, torch.device("cpu"), "memfd", progress))
+        assert loaded is not None
+        out.append((arena_bytes(loaded), loaded.manifest, progress))
+        loaded.arena.close()
+    return out[0], out[1]
+
+
+def as_bfloat16(tiny_checkpoint: Path, to: Path) -> Path:
+    """The tiny checkpoint saved in bfloat16, its config saying so (the router too: widened at load)."""
+    shutil.copytree(tiny_checkpoint, to)
+    (path,) = to.glob("*.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(path).items()}, path)
+    config = (to / "config.json").read_text().replace('"float32"', '"bfloat16"')
+    (to / "config.json").write_text(config)
+    return to
+
+
+@pytest.mark.parametrize("chunk", [1 << 40, 64])
+def test_a_copy_stores_what_the_computing_loader_stores(tiny_checkpoint, monkeypatch, chunk):
+    monkeypatch.setattr(identity, "CHUNK_BYTES", chunk)
+    (copied, copied_manifest, progress), (computed, computed_manifest, _) = both_loads(tiny_checkpoint, torch.float32)
+    assert copied == computed
+    assert copied_manifest.to_wire() == computed_manifest.to_wire()  # layout, record, fingerprint, settings
+    assert progress.stages["read"] > 0 and progress.stages["hash"] > 0 and progress.stages["write"] > 0
+    assert progress.stages["quantize"] == progress.stages["upload"] == 0
+    assert progress.done_bytes == progress.total_bytes and progress.seconds > 0
+
+
+def test_a_bfloat16_router_weight_is_widened_bit_for_bit(tiny_checkpoint, tmp_path):
+    model = as_bfloat16(tiny_checkpoint, tmp_path / "bf16")
+    (copied, manifest, _), (computed, computed_manifest, _) = both_loads(model, torch.bfloat16)
+    widened = [n for n, d in zip(manifest.layout.name, manifest.layout.dtype) if d == "float32"]
+    assert widened and all(n.endswith(("mlp.gate.weight", "e_score_correction_bias")) for n in widened)
+    assert copied == computed and manifest.fingerprint == computed_manifest.fingerprint
+
+
+def test_loads_that_must_compute_are_left_to_the_other_loader(tiny_checkpoint, tmp_path):
+    assert copy_plan(tiny_checkpoint, "none", "float32", "memfd") is not None
+    assert copy_plan(tiny_checkpoint, "fp8_block", "float32", "memfd") is None  # quantized
+    assert copy_plan(tiny_checkpoint, "none", "bfloat16", "memfd") is None  # float32 files, converted
+    assert copy_plan(tiny_checkpoint, "none", "float32", "cuda-ipc") is None  # (its arena wants torch)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (path,) = broken.glob("*.safetensors")
+    path.write_bytes(path.read_bytes()[:-10])  # truncated: the other loader says so, as for any load
+    assert copy_plan(broken, "none", "float32", "memfd") is None
+    assert load_copied(broken, "none", "float32", "cpu", "memfd", Progress()) is None
+
+
+def test_a_nan_is_named_and_nothing_is_left_behind(tiny_checkpoint, tmp_path, monkeypatch):
+    model, name = with_a_bad_last_value(tiny_checkpoint, tmp_path / "model", float("inf"))
+    monkeypatch.setattr(identity, "CHUNK_BYTES", 256)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LoadError, match=f"tensor {name} holds NaN or Inf"):
+        load_copied(model, "none", "float32", "cpu", "memfd", Progress())
+    assert len(os.listdir("/proc/self/fd")) == fds  # the arena's memfd and the files' fds are closed
+
+
+def test_a_copy_imports_no_torch(tiny_checkpoint):
+    code = (f"import sys; from pathlib import Path; from preload.preloadd.copy_loader import load_copied; "
+            f"from preload.preloadd.weights import Progress; "
+            f"l = load_copied(Path({str(tiny_checkpoint)!r}), 'none', 'float32', 'cpu', 'memfd', Progress()); "
+            f"print(l.manifest.fingerprint, sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    copied = load(tiny_checkpoint, "none", torch.float32, torch.device("cpu"), "memfd", Progress())
+    copied.arena.close()
+    assert out == [copied.manifest.fingerprint, "[]"]
+
+
+def test_a_daemon_that_copies_its_weights_never_maps_torch(tiny_checkpoint, tmp_path):
+    with running_daemon(tmp_path / "state", tiny_checkpoint, "--quant", "none") as d:
+        s = d.status()
+        assert s["state"] == "ready"
+        assert "libtorch" not in Path(f"/proc/{s['pid']}/maps").read_text()
