@@ -121,6 +121,7 @@ class StartRun:
     daemon_hwm: int = 0  # kernel's peak RSS of the daemon (VmHWM), read once ready
     at_port_open: dict[str, int] = field(default_factory=dict)  # daemon memory once imported, before loading
     after_ready: dict[str, int] = field(default_factory=dict)  # daemon: rss, uss, pss, shared, anon, file, shmem
+    worker_log: list[str] = field(default_factory=list)  # with workers: worker 0's start, as its log times it
 
     def sample(self, tree: list[psutil.Process], daemon: psutil.Process | None, port: int, now: float) -> None:
         """One poll of the launcher's process tree while it starts."""
@@ -176,6 +177,8 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
             full = psutil.Process(d.pid).memory_full_info()
             run.after_ready = {"rss": full.rss, "uss": full.uss, "pss": full.pss, "shared": full.shared,
                                **{k: mem.get(k, 0) for k in ("anon", "file", "shmem")}}
+            if workers:
+                run.worker_log = worker_start_lines(Path(d.state_dir) / "worker-0.log")
             t1 = time.perf_counter()
             stop = preload("stop", "--state-dir", d.state_dir)
             run.stop_s = time.perf_counter() - t1
@@ -184,6 +187,14 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
     finally:
         done.set()
     return run
+
+
+WORKER_START = ("weights attached in", "first step", "captured", "KV cache", "ready in")
+
+
+def worker_start_lines(log: Path) -> list[str]:
+    """The lines of a worker's log that time its start (each stamped by the log)."""
+    return [line for line in log.read_text().splitlines() if any(phrase in line for phrase in WORKER_START)]
 
 
 def _accepting(port: int) -> bool:
@@ -297,6 +308,7 @@ def summarize_starts(runs: list[StartRun], warm_s: float, first_s: float) -> dic
         "ratio_ready_over_read_first": ready / first_s,
         "ratio_load_over_read_warm": load / warm_s,
         "stage_seconds": {k: statistics.median(r.stage_seconds.get(k, 0.0) for r in runs) for k in runs[-1].stage_seconds},
+        "worker_log": runs[-1].worker_log,
     }
 
 
@@ -372,6 +384,10 @@ def format_table(result: dict) -> str:
         if stages:
             lines.append(f"{quant + ' load stages':15}  " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
                          + " (seconds summed over the loader's threads)")
+    for quant, s in result["start"].items():
+        if s.get("worker_log"):
+            lines.append(f"{quant + ' worker 0':15}  its start, from its log (the last run):")
+            lines += [f"{'':17}{line}" for line in s["worker_log"]]
     t = result.get("transformers")
     if t:
         lines.append(f"{'transformers':15}  fresh process {t['process_s']['p50']:.3f} s"

@@ -119,6 +119,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     if link is not None:  # beats from now on: a worker stuck before its engine runs is seen too
         link.beat(lambda: engine.progress() if engine else (0, False))
     llm = open_weights(opts, state, supervised=link is not None)
+    log.info("weights attached in %.3f s", time.monotonic() - state.started)
     name = w.served_model_name or Path(llm.attached.manifest.model if llm.attached else opts.model).name
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
@@ -148,7 +149,9 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     gc.collect()
     gc.freeze()
     if link is not None:
+        t = time.monotonic()
         llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
+        log.info("first step (its kernels loaded, compiled if new) in %.3f s", time.monotonic() - t)
         link.report("warm")
         slot = link.wait_for_slot()
         if slot is None:
