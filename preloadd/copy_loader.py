@@ -56,7 +56,8 @@ def check_memory(size: int, device: str) -> None:
     if device == "cpu":
         available = psutil.virtual_memory().available
         if size > available:
-            raise LoadError(f"not enough host memory for the arena: need {size / 2**30:.2f} GiB, {available / 2**30:.2f} GiB available")
+            raise LoadError(f"not enough host memory for the arena: need {size / 2**30:.2f} GiB,"
+                            f" {available / 2**30:.2f} GiB available")
 
 
 def nonfinite(path: Path, what: str) -> LoadError:
@@ -102,7 +103,8 @@ def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str) -> CopyPl
     stored, specs = {}, []
     for name, shape in wanted_shapes(cfg, headers).items():
         source, want = headers.get(name), stored_dtype(name, dtype)
-        if source is None or source.shape != shape or not (source.dtype == want or (want == "float32" and source.dtype in WIDENED)):
+        as_is = source is not None and (source.dtype == want or (want == "float32" and source.dtype in WIDENED))
+        if not as_is or source.shape != shape:
             return None
         stored[name] = source
         specs.append((name, want, shape))
@@ -112,12 +114,14 @@ def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str) -> CopyPl
 
 
 def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport: str, progress: Progress,
-                on_progress: Callable[[Progress], None] = lambda p: None) -> Loaded | None:
+                on_progress: Callable[[Progress], None] = lambda p: None, plan: CopyPlan | None = None) -> Loaded | None:
     """Load `model_dir` as preloadd/loader.py would (the same arena bytes, layout and
-    fingerprint), without torch; None if this load needs arithmetic (nothing done then)."""
+    fingerprint), without torch; None if this load needs arithmetic (nothing done then).
+    `plan`: copy_plan's, if the caller has it already."""
     progress.started = time.monotonic()  # the load alone: not the imports or the daemon's start before it
-    with progress.timed("plan"):
-        plan = copy_plan(model_dir, quant, dtype, transport)
+    if plan is None:
+        with progress.timed("plan"):
+            plan = copy_plan(model_dir, quant, dtype, transport)
     if plan is None:
         return None
     by_name = {e.name: e for e in plan.entries}

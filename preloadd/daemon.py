@@ -28,7 +28,7 @@ from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
-from preload.preloadd.copy_loader import copy_plan, load_copied
+from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
@@ -200,7 +200,8 @@ class Daemon:
                                                             "health_port": self.ports["health"],
                                                             "api_port": self.ports["api"]})
             self._install_signal_handlers()
-            if kept is None and copy_plan(r.model, o.quant, r.dtype, r.transport) is None:
+            copying = copy_plan(r.model, o.quant, r.dtype, r.transport) if kept is None else None
+            if kept is None and copying is None:
                 # A load with arithmetic follows: torch now (/health answers meanwhile), before the
                 # zygote's import competes. (A copy needs none: preloadd/copy_loader.py.)
                 import torch  # noqa: F401
@@ -223,7 +224,7 @@ class Daemon:
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for)
                 self.supervisor.prepare()  # the zygote imports while we load
-            self._load(notify, kept)
+            self._load(notify, kept, copying)
             if self.keeper is not None and self._keeper_stale:
                 self.keeper.release()  # it holds an API socket we no longer serve; ours hold the weights
                 self.keeper = None
@@ -306,7 +307,7 @@ class Daemon:
         self._keeper_stale = True  # the keeper holds it too: it gets a fresh keeper after the load
         return None
 
-    def _load(self, notify: Callable[[dict], None], found: tuple[KeeperLink, Kept] | None) -> None:
+    def _load(self, notify: Callable[[dict], None], found: tuple[KeeperLink, Kept] | None, copying: CopyPlan | None) -> None:
         o, r = self.opts, self.r
         self.state = "loading"
         if found is not None and self._readopt(*found):
@@ -320,7 +321,9 @@ class Daemon:
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
-        loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress)
+        # (planned before the decision not to import torch; planned here after a keeper's weights proved not ours)
+        plan = copying or copy_plan(r.model, o.quant, r.dtype, r.transport)
+        loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress, plan) if plan else None
         if loaded is None:  # quantized or converted: the loader that computes, with torch
             import torch
 
