@@ -80,7 +80,6 @@ def checkpoint_shapes(cfg: ModelConfig, with_mtp: bool) -> Shapes:
     return shapes
 
 
-
 def wanted_shapes(cfg: ModelConfig, stored: Container[str]) -> Shapes:
     """The tensors the model runs from: the main model, and the MTP module when the
     config declares one and the files hold it (`stored`: the names they hold;

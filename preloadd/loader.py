@@ -2,8 +2,8 @@
 
 The arena is sized and laid out from the config before any weight is read, so a
 checkpoint that cannot fit fails before memory is taken, and peak host memory stays
-near the largest tensor rather than the model. A load with no arithmetic to do (nothing
-quantized or converted) goes through preloadd/copy_loader.py instead, without torch.
+near the largest tensor rather than the model. When there is no arithmetic to do (nothing
+quantized or converted) the daemon loads with preloadd/copy_loader.py instead, without torch.
 """
 
 from __future__ import annotations
