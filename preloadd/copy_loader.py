@@ -136,10 +136,12 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                 maps[path] = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
             addresses[path] = np.frombuffer(maps[path], dtype=np.uint8).ctypes.data  # (the array goes at once)
 
+        copying_in = "write" if transport == "memfd" else "upload"  # (into device memory: an upload)
+
         def store(name: str) -> None:
             source, entry = plan.stored[name], by_name[name]
             widen = entry.dtype != source.dtype
-            spent = {"read": 0.0, "write": 0.0}
+            spent = {"read": 0.0, copying_in: 0.0}
             t = time.perf_counter()
             populate(addresses[source.path] + source.start, source.end - source.start)  # (pages.py)
             spent["read"] = time.perf_counter() - t
@@ -152,7 +154,7 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                     arena.write_part(entry, at * 2, memoryview(widened(source.dtype, chunk)).cast("B"))
                 else:
                     arena.write_part(entry, at, chunk)
-                spent["write"] += time.perf_counter() - t
+                spent[copying_in] += time.perf_counter() - t
 
             t, failure = time.perf_counter(), None
             try:
@@ -162,8 +164,7 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                 failure = e.with_traceback(None)
             if failure is not None:
                 raise failure
-            spent["hash"] = time.perf_counter() - t - spent["write"]
-            spent["upload" if transport != "memfd" else "write"] = spent.pop("write")  # (into device memory: upload)
+            spent["hash"] = time.perf_counter() - t - spent[copying_in]
             with lock:
                 progress.add(spent)
                 progress.done_bytes += entry.nbytes

@@ -321,9 +321,11 @@ class Daemon:
                 notify({"progress": p.done_bytes, "total": p.total_bytes})
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
-        # (planned before the decision not to import torch; planned here after a keeper's weights proved not ours)
-        plan = copying or copy_plan(r.model, o.quant, r.dtype, r.transport)
-        loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress, plan) if plan else None
+        if found is not None:  # the keeper's weights proved not ours: not planned before
+            copying = copy_plan(r.model, o.quant, r.dtype, r.transport)
+        loaded = None
+        if copying is not None:
+            loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress, copying)
         if loaded is None:  # quantized or converted: the loader that computes, with torch
             import torch
 

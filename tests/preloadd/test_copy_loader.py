@@ -99,9 +99,9 @@ def test_a_copy_imports_no_torch(tiny_checkpoint):
             f"l = load_copied(Path({str(tiny_checkpoint)!r}), 'none', 'float32', 'cpu', 'memfd', Progress()); "
             f"print(l.manifest.fingerprint, sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    copied = load(tiny_checkpoint, "none", torch.float32, torch.device("cpu"), "memfd", Progress())
-    copied.arena.close()
-    assert out == [copied.manifest.fingerprint, "[]"]
+    computed = load(tiny_checkpoint, "none", torch.float32, torch.device("cpu"), "memfd", Progress())
+    computed.arena.close()
+    assert out == [computed.manifest.fingerprint, "[]"]
 
 
 def test_a_daemon_that_copies_its_weights_never_maps_torch(tiny_checkpoint, tmp_path):
