@@ -23,6 +23,7 @@ from preload.ipc.devices import memory_info
 from preload.ipc.devices import ordinal as _ordinal
 from preload.ipc.layout import ArenaError, TensorEntry, check_part, check_planned
 from preload.ipc.manifest import ArenaInfo
+from preload.ipc.staging import Staging
 
 if TYPE_CHECKING:  # the daemon makes, fills (write_part) and seals a cuda-vmm arena without it
     import torch
@@ -202,6 +203,7 @@ class VmmArena(_VmmHolder):
 
     def __init__(self, size: int, device: str):
         self.ordinal = _ordinal(device)
+        self._staging: Staging | None = Staging(self.ordinal)  # (no CUDA call until a thread sends)
         _make_current(self.ordinal)
         g = granularity(self.ordinal)
         self.size = -(-size // g) * g
@@ -229,10 +231,23 @@ class VmmArena(_VmmHolder):
         _copy_into(self.as_tensor(), entry, tensor)
 
     def write_part(self, entry: TensorEntry, at: int, data: memoryview) -> None:
-        _copy_from_host(self.ptr, self.ordinal, entry, at, data)
+        """Host bytes of `entry` from byte `at` on, from any thread, through that thread's
+        pinned buffers (ipc/staging.py): `data` may be reused on return, the copy lands by seal()."""
+        check_part(entry, at, len(data))
+        self._staging.send(self.ptr + entry.offset + at, data)
+
+    def _finish_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.finish()
+            self._staging = None
+
+    def close(self) -> None:
+        self._finish_staging()
+        super().close()
 
     def seal(self) -> None:
         """Drop the daemon's own writable mapping: from now on only read-only maps exist."""
+        self._finish_staging()
         _synchronize(self.ordinal)
         self.base = None
         _unmap(self.ptr, self.size)
