@@ -6,11 +6,13 @@ Everything is measured on this machine in one run, so the ratios compare like wi
    buffer, once "cold-ish" (whatever the page cache holds; `evict=True` drops the files
    from it first) and then `repeat` times warm; then `cat` them `repeat` times (the
    targets' reference) and time `python -c 'import torch'` as often;
-2. for each quant mode, `repeat` times (after one unrecorded warm-up launch): run the
-   real `preload start` (with `workers` workers, if any: it returns once they are
-   ready) until it exits 0, sampling the memory of its process tree every 20 ms; read
-   the daemon's own /status (load_seconds, arena bytes) and its kernel peak RSS
-   (VmHWM); time `preload stop`. The files are warm in the page cache throughout.
+2. with workers, one first start with no GPU kernels compiled yet (a machine's first),
+   recorded apart; then for each quant mode, `repeat` times (after one unrecorded
+   warm-up launch, or that first start): run the real `preload start` (with `workers`
+   workers, if any: it returns once they are ready) until it exits 0, sampling the
+   memory of its process tree every 20 ms; read the daemon's own /status (load_seconds,
+   arena bytes) and its kernel peak RSS (VmHWM); time `preload stop`. The files are
+   warm in the page cache throughout.
 The memfd arena is written with pwrite and never mapped by the daemon, so it is not in
 the daemon's RSS: host memory while loading is RSS + arena.
 """
@@ -23,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -121,7 +124,7 @@ class StartRun:
     daemon_hwm: int = 0  # kernel's peak RSS of the daemon (VmHWM), read once ready
     at_port_open: dict[str, int] = field(default_factory=dict)  # daemon memory once imported, before loading
     after_ready: dict[str, int] = field(default_factory=dict)  # daemon: rss, uss, pss, shared, anon, file, shmem
-    worker_log: list[str] = field(default_factory=list)  # with workers: worker 0's start, as its log times it
+    worker_log: list[str] = field(default_factory=list)  # with workers: the daemon's and worker 0's log lines (start_lines)
 
     def sample(self, tree: list[psutil.Process], daemon: psutil.Process | None, port: int, now: float) -> None:
         """One poll of the launcher's process tree while it starts."""
@@ -178,7 +181,7 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
             run.after_ready = {"rss": full.rss, "uss": full.uss, "pss": full.pss, "shared": full.shared,
                                **{k: mem.get(k, 0) for k in ("anon", "file", "shmem")}}
             if workers:
-                run.worker_log = worker_start_lines(Path(d.state_dir) / "worker-0.log")
+                run.worker_log = start_lines(Path(d.state_dir))
             t1 = time.perf_counter()
             stop = preload("stop", "--state-dir", d.state_dir)
             run.stop_s = time.perf_counter() - t1
@@ -189,12 +192,15 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
     return run
 
 
-WORKER_START = ("weights attached in", "first step", "captured", "KV cache", "ready in")
+START_LINES = {"daemon.log": ("loading ", "ready in", "worker 0 started", "worker 0 ready"),
+               "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in")}
 
 
-def worker_start_lines(log: Path) -> list[str]:
-    """The lines of a worker's log that time its start (each stamped by the log)."""
-    return [line for line in log.read_text().splitlines() if any(phrase in line for phrase in WORKER_START)]
+def start_lines(state_dir: Path) -> list[str]:
+    """The lines of the daemon's and worker 0's logs that time a start, in time order (each
+    line begins with its time stamp)."""
+    return sorted(line for name, phrases in START_LINES.items() for line in (state_dir / name).read_text().splitlines()
+                  if any(phrase in line for phrase in phrases))
 
 
 def _accepting(port: int) -> bool:
@@ -253,19 +259,35 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
     torch_s = [import_torch() for _ in range(max(repeat, 1))]
     result["import_torch"] = {"runs_s": torch_s, **quantiles(torch_s)}
 
-    # 2. `preload start` to ready, per quant mode, files warm.
-    if warmup and quants:
-        progress(f"warm-up launch (quant {quants[0]}, not recorded)")
-        run_start(model, quants[0], device, workers)
-    starts = {}
-    for quant in quants:
-        runs = []
-        for i in range(repeat):
-            progress(f"preload start --quant {quant} ({i + 1}/{repeat})")
-            runs.append(run_start(model, quant, device, workers))
-        starts[quant] = summarize_starts(runs, warm_s, first_s)
-        starts[quant]["ratio_ready_over_cat"] = starts[quant]["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
-        starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
+    # 2. `preload start` to ready, per quant mode, files warm. Workers compile their GPU
+    # kernels into a cache of this run's own (kernel_cache_dir), empty at first: the first
+    # start compiles them all, as a machine's first start does, and is kept apart.
+    with tempfile.TemporaryDirectory(prefix="preload-bench-kernels-") as kernels:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = kernels
+        try:
+            if workers and quants:
+                progress(f"first start, no kernels compiled yet (quant {quants[0]}, recorded apart)")
+                result["first_start"] = asdict(run_start(model, quants[0], device, workers))
+                result["first_start"]["ratio_ready_over_cat"] = (result["first_start"]["start_to_ready_s"]
+                                                                 / result["cat_files"]["p50"])
+            elif warmup and quants:
+                progress(f"warm-up launch (quant {quants[0]}, not recorded)")
+                run_start(model, quants[0], device, workers)
+            starts = {}
+            for quant in quants:
+                runs = []
+                for i in range(repeat):
+                    progress(f"preload start --quant {quant} ({i + 1}/{repeat})")
+                    runs.append(run_start(model, quant, device, workers))
+                starts[quant] = summarize_starts(runs, warm_s, first_s)
+                starts[quant]["ratio_ready_over_cat"] = starts[quant]["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
+                starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
     result["start"] = starts
     if transformers:
         runs = []
@@ -386,8 +408,14 @@ def format_table(result: dict) -> str:
                          + " (seconds summed over the loader's threads)")
     for quant, s in result["start"].items():
         if s.get("worker_log"):
-            lines.append(f"{quant + ' worker 0':15}  its start, from its log (the last run):")
+            lines.append(f"{quant + ' worker 0':15}  its start, from the daemon's and its log (the last run):")
             lines += [f"{'':17}{line}" for line in s["worker_log"]]
+    first = result.get("first_start")
+    if first:
+        lines.append(f"{'first start':15}  no kernels compiled yet (quant {first['quant']}): ready"
+                     f" {first['start_to_ready_s']:.3f} s = {_ratio(first['ratio_ready_over_cat'])} `cat`, load"
+                     f" {first['load_seconds']:.3f} s; from the logs:")
+        lines += [f"{'':17}{line}" for line in first["worker_log"]]
     t = result.get("transformers")
     if t:
         lines.append(f"{'transformers':15}  fresh process {t['process_s']['p50']:.3f} s"

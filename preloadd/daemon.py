@@ -32,7 +32,8 @@ from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
-from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, prepare_state_dir, write_private_json
+from preload.preloadd.state_dir import (DAEMON_FILE, PidLock, device_lock, kernel_cache_dir, prepare_state_dir,
+                                        write_private_json)
 from preload.preloadd.supervisor import Supervisor
 from preload.preloadd.weights import Loaded, LoadError, Progress, kept_manifest
 
@@ -206,9 +207,8 @@ class Daemon:
                 # zygote's import competes. (A copy needs none: preloadd/copy_loader.py.)
                 import torch  # noqa: F401
             if o.workers:
-                # Workers compile their Triton kernels once per state dir, not once per start:
-                # the cache lives beside the sockets, as private as they are.
-                os.environ.setdefault("TRITON_CACHE_DIR", str(o.state_dir / "triton"))
+                if r.device != "cpu":  # (the CPU's kernels are torch's: nothing compiled)
+                    os.environ["TRITON_CACHE_DIR"] = str(kernel_cache_dir(o.state_dir))
                 # The workers' metrics, one file per process, read together by every /metrics
                 # (worker/api/metrics.py); a killed daemon's are stale, but not those of the
                 # workers it left, which this daemon takes over.

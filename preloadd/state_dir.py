@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import stat
 import tempfile
 from pathlib import Path
+
+
+log = logging.getLogger(__name__)
 
 
 class StateDirError(RuntimeError):
@@ -18,7 +22,7 @@ class StateDirError(RuntimeError):
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
 
 
-def prepare_state_dir(path: Path, others_allowed: bool) -> None:
+def prepare_state_dir(path: Path, others_allowed: bool, what: str = "state dir") -> None:
     """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
     may reach the sockets, not list the dir) when other uids or gids are allow-listed.
     Trusted only if nobody else could have made, replaced or redirected it, as ssh's
@@ -26,11 +30,12 @@ def prepare_state_dir(path: Path, others_allowed: bool) -> None:
     or ours and writable by no one else (unless sticky, as /tmp is); no symlink on the way
     but root's (/var/run -> /run), and then what it points to passes the same checks.
     Everything that exists is checked before anything is made; missing directories are
-    made 0700 one at a time, each checked (never followed) before the next."""
+    made 0700 one at a time, each checked (never followed) before the next. `what` names
+    the dir in the refusals (the workers' kernel cache is held to the same checks)."""
     path = Path(os.path.abspath(path))
     if path == path.parent:
-        raise StateDirError(f"state dir {path} is the root directory")
-    parent_fd = _open_trusted_dir(path.parent, create=True)
+        raise StateDirError(f"{what} {path} is the root directory")
+    parent_fd = _open_trusted_dir(path.parent, create=True, what=what)
     try:
         try:
             os.mkdir(path.name, 0o700, dir_fd=parent_fd)
@@ -39,26 +44,44 @@ def prepare_state_dir(path: Path, others_allowed: bool) -> None:
         try:  # the dir itself, never what a symlink there points to
             fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         except OSError as e:
-            raise StateDirError(f"state dir {path} is not a directory of ours (a symlink or a file: {e.strerror})") from None
+            raise StateDirError(f"{what} {path} is not a directory of ours (a symlink or a file: {e.strerror})") from None
     finally:
         os.close(parent_fd)
     try:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
-            raise StateDirError(f"state dir {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+            raise StateDirError(f"{what} {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
         os.fchmod(fd, 0o711 if others_allowed else 0o700)
     finally:
         os.close(fd)
+
+
+def kernel_cache_dir(state_dir: Path) -> Path:
+    """Where the workers keep the Triton kernels they compile: the operator's
+    $TRITON_CACHE_DIR if set; else $XDG_CACHE_HOME/preload/kernels (~/.cache/...), which
+    outlives the state dir (under /run: gone at a reboot), so that only a machine's first
+    start compiles (V2-Lite on the H200: 24 s of a worker's start, 2.5 s with its kernels
+    cached). What is in it is code the workers run, so it is held to the state dir's checks;
+    where it cannot pass them (no home, or not ours), the state dir's own, said in the log."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "preload", "kernels")
+    try:
+        prepare_state_dir(path, others_allowed=False, what="kernel cache")
+        return path
+    except (StateDirError, OSError, RuntimeError) as e:  # (RuntimeError: Path.home() with no home)
+        log.warning("workers compile their kernels into the state dir, lost with it: %s", e)
+        return state_dir / "triton"
 
 
 def check_ancestors(directory: Path) -> None:
     """StateDirError unless `directory` and every directory above it is root's or ours and
     writable by no one else (a sticky one, like /tmp, lets others write but not replace
     ours), and any symlink on the way is root's and leads to such directories only."""
-    os.close(_open_trusted_dir(Path(os.path.abspath(directory)), create=False))
+    os.close(_open_trusted_dir(Path(os.path.abspath(directory)), create=False, what="state dir"))
 
 
-def _open_trusted_dir(directory: Path, create: bool) -> int:
+def _open_trusted_dir(directory: Path, create: bool, what: str) -> int:
     """An O_PATH fd of `directory` (absolute), walked from / one component at a time with
     lstat and O_NOFOLLOW, so that what is checked is what is used: each directory must pass
     `_check_dir`; a symlink must be root's, and its target is walked the same way. With
@@ -73,7 +96,7 @@ def _open_trusted_dir(directory: Path, create: bool) -> int:
     try:
         root = os.open("/", flags)
         dirs.append((Path("/"), root))
-        _check_dir(Path("/"), os.fstat(root), uid, via)
+        _check_dir(Path("/"), os.fstat(root), uid, via, what)
         while pending:
             name = pending.pop()
             if name in ("", "."):
@@ -88,21 +111,21 @@ def _open_trusted_dir(directory: Path, create: bool) -> int:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 if not create:
-                    raise StateDirError(f"{path}, above the state dir, does not exist{via}") from None
+                    raise StateDirError(f"{path}, above the {what}, does not exist{via}") from None
                 try:
                     os.mkdir(name, 0o700, dir_fd=fd)
                 except FileExistsError:
                     pass  # someone was quicker: checked below like anything else
                 st = None
             except OSError as e:
-                raise StateDirError(f"{path}, above the state dir, cannot be checked ({e.strerror}){via}") from None
+                raise StateDirError(f"{path}, above the {what}, cannot be checked ({e.strerror}){via}") from None
             if st is not None and stat.S_ISLNK(st.st_mode):
                 if st.st_uid != 0:
-                    raise StateDirError(f"{path}, above the state dir, is a symlink of uid {st.st_uid}{via}: only root's"
-                                        " are followed (whoever made it could redirect the state dir)")
+                    raise StateDirError(f"{path}, above the {what}, is a symlink of uid {st.st_uid}{via}: only root's"
+                                        f" are followed (whoever made it could redirect the {what})")
                 links += 1
                 if links > MAX_SYMLINKS:
-                    raise StateDirError(f"{path}, above the state dir: too many levels of symlinks")
+                    raise StateDirError(f"{path}, above the {what}: too many levels of symlinks")
                 target = os.readlink(name, dir_fd=fd)
                 via = f" (reached through the symlink {path} -> {target})"
                 if target.startswith("/"):
@@ -113,23 +136,23 @@ def _open_trusted_dir(directory: Path, create: bool) -> int:
             try:  # never through a symlink put there since the lstat
                 child = os.open(name, flags, dir_fd=fd)
             except OSError as e:
-                raise StateDirError(f"{path}, above the state dir, is not a directory ({e.strerror}){via}") from None
+                raise StateDirError(f"{path}, above the {what}, is not a directory ({e.strerror}){via}") from None
             dirs.append((path, child))
-            _check_dir(path, os.fstat(child), uid, via)
+            _check_dir(path, os.fstat(child), uid, via, what)
         return dirs.pop()[1]
     finally:
         for _, fd in dirs:
             os.close(fd)
 
 
-def _check_dir(path: Path, st: os.stat_result, uid: int, via: str) -> None:
+def _check_dir(path: Path, st: os.stat_result, uid: int, via: str, what: str) -> None:
     """Root's or ours, and writable by no one else unless sticky (as /tmp: others may add
     names there, not rename or remove ours)."""
     if st.st_uid not in (0, uid):
-        raise StateDirError(f"{path}, above the state dir, belongs to uid {st.st_uid}{via}:"
-                            " they could replace the state dir")
+        raise StateDirError(f"{path}, above the {what}, belongs to uid {st.st_uid}{via}:"
+                            f" they could replace the {what}")
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise StateDirError(f"{path}, above the state dir, is writable by others{via}: they could replace the state dir")
+        raise StateDirError(f"{path}, above the {what}, is writable by others{via}: they could replace the {what}")
 
 
 class PidLock:
