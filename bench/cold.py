@@ -6,13 +6,13 @@ Everything is measured on this machine in one run, so the ratios compare like wi
    buffer, once "cold-ish" (whatever the page cache holds; `evict=True` drops the files
    from it first) and then `repeat` times warm; then `cat` them `repeat` times (the
    targets' reference) and time `python -c 'import torch'` as often;
-2. with workers, one first start with no GPU kernels compiled yet (a machine's first),
-   recorded apart; then for each quant mode, `repeat` times (after one unrecorded
-   warm-up launch, or that first start): run the real `preload start` (with `workers`
-   workers, if any: it returns once they are ready) until it exits 0, sampling the
-   memory of its process tree every 20 ms; read the daemon's own /status (load_seconds,
-   arena bytes) and its kernel peak RSS (VmHWM); time `preload stop`. The files are
-   warm in the page cache throughout.
+2. with workers, for each quant mode a first start with no GPU kernels compiled yet (a
+   machine's first), recorded apart; then for each quant mode, `repeat` times (after
+   one unrecorded warm-up launch, or those first starts): run the real `preload start`
+   (with `workers` workers, if any: it returns once they are ready) until it exits 0,
+   sampling the memory of its process tree every 20 ms; read the daemon's own /status
+   (load_seconds, arena bytes) and its kernel peak RSS (VmHWM); time `preload stop`.
+   The files are warm in the page cache throughout.
 The memfd arena is written with pwrite and never mapped by the daemon, so it is not in
 the daemon's RSS: host memory while loading is RSS + arena.
 """
@@ -266,11 +266,12 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
         saved = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = kernels
         try:
-            if workers and quants:
-                progress(f"first start, no kernels compiled yet (quant {quants[0]}, recorded apart)")
-                result["first_start"] = asdict(run_start(model, quants[0], device, workers))
-                result["first_start"]["ratio_ready_over_cat"] = (result["first_start"]["start_to_ready_s"]
-                                                                 / result["cat_files"]["p50"])
+            if workers:  # (each quant mode has kernels of its own)
+                result["first_start"] = {}
+                for quant in quants:
+                    progress(f"first start, no kernels compiled yet (quant {quant}, recorded apart)")
+                    first = result["first_start"][quant] = asdict(run_start(model, quant, device, workers))
+                    first["ratio_ready_over_cat"] = first["start_to_ready_s"] / result["cat_files"]["p50"]
             elif warmup and quants:
                 progress(f"warm-up launch (quant {quants[0]}, not recorded)")
                 run_start(model, quants[0], device, workers)
@@ -410,11 +411,9 @@ def format_table(result: dict) -> str:
         if s.get("worker_log"):
             lines.append(f"{quant + ' worker 0':15}  its start, from the daemon's and its log (the last run):")
             lines += [f"{'':17}{line}" for line in s["worker_log"]]
-    first = result.get("first_start")
-    if first:
-        lines.append(f"{'first start':15}  no kernels compiled yet (quant {first['quant']}): ready"
-                     f" {first['start_to_ready_s']:.3f} s = {_ratio(first['ratio_ready_over_cat'])} `cat`, load"
-                     f" {first['load_seconds']:.3f} s; from the logs:")
+    for quant, first in result.get("first_start", {}).items():
+        lines.append(f"{quant + ' first':15}  a first start, no kernels compiled yet: ready {first['start_to_ready_s']:.3f} s"
+                     f" = {_ratio(first['ratio_ready_over_cat'])} `cat`, load {first['load_seconds']:.3f} s; from the logs:")
         lines += [f"{'':17}{line}" for line in first["worker_log"]]
     t = result.get("transformers")
     if t:

@@ -236,6 +236,20 @@ class VmmArena(_VmmHolder):
         check_part(entry, at, len(data))
         self._staging.send(self.ptr + entry.offset + at, data)
 
+    def stage_part(self, at: int, data: memoryview, total: int) -> None:
+        """Bytes `at`.. of a source tensor of `total` bytes, to be quantized by
+        write_fp8_block, into this thread's device scratch (ipc/staging.py)."""
+        self._staging.stage(at, data, total)
+
+    def write_fp8_block(self, q: TensorEntry, scale_inv: TensorEntry) -> None:
+        """The bf16 matrix this thread staged (stage_part), quantized on the GPU into `q`
+        (e4m3) and `scale_inv` (float32 per 128 x 128 block), without torch."""
+        rows, cols = q.shape
+        blocks = (-(-rows // 128), -(-cols // 128))
+        if q.dtype != "float8_e4m3fn" or scale_inv.dtype != "float32" or scale_inv.shape != blocks:
+            raise ArenaError(f"{q.name}: {q.dtype} {q.shape} with {scale_inv.dtype} {scale_inv.shape} scales: no block fp8")
+        self._staging.quantize_staged(self.ptr + q.offset, self.ptr + scale_inv.offset, rows, cols)
+
     def _finish_staging(self) -> None:
         if self._staging is not None:
             self._staging.finish()

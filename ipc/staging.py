@@ -5,7 +5,9 @@ which on the H200 host moved 6.9 GB/s however many threads asked (scripts/probe_
 results/probe-load-h200.json), as slow as `cat`. Here each loader thread has two pinned
 buffers and a stream: a chunk is copied into one buffer (memmove, the GIL released) and
 sent from there while the thread hashes the next chunk; a buffer is refilled only once
-the copy out of it is done (an event). The copies of all threads run at once.
+the copy out of it is done (an event). The copies of all threads run at once. A tensor
+to be quantized goes to a device scratch of the thread's, which the quantization kernel
+reads in the same stream, so that the next tensor's copies wait for it, and nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from preload.ipc.devices import driver as _cu
 from preload.ipc.devices import make_current
+from preload.ipc.fp8_device import Fp8BlockQuantizer
 
 BUFFER_BYTES = 8 << 20  # one hashed chunk (checkpoint/identity.py CHUNK_BYTES)
 CU_STREAM_NON_BLOCKING = 1
@@ -44,6 +47,24 @@ class _ThreadStaging:
             _check(cu.cuEventCreate(ctypes.byref(event), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             self.events.append(event)
         self.recorded = [False, False]
+        self.scratch, self.scratch_bytes = 0, 0  # device memory a tensor is staged in (Staging.stage)
+
+    def scratch_for(self, nbytes: int) -> int:
+        """This thread's device scratch of at least `nbytes` (a larger one once the stream
+        is past every use of the old)."""
+        if nbytes > self.scratch_bytes:
+            cu, ptr = _cu(), ctypes.c_uint64()
+            self._free_scratch()
+            _check(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "cuMemAlloc")
+            self.scratch, self.scratch_bytes = ptr.value, nbytes
+        return self.scratch
+
+    def _free_scratch(self) -> None:
+        if self.scratch:
+            cu = _cu()
+            cu.cuStreamSynchronize(self.stream)
+            cu.cuMemFree_v2(ctypes.c_uint64(self.scratch))
+            self.scratch, self.scratch_bytes = 0, 0
 
     def send(self, dst: int, src: int, n: int) -> None:
         """n bytes at host address `src` to device address `dst`: `src` may be reused on return."""
@@ -62,6 +83,7 @@ class _ThreadStaging:
     def close(self) -> None:
         cu = _cu()
         cu.cuStreamSynchronize(self.stream)
+        self._free_scratch()
         for buf, event in zip(self.buffers, self.events):
             cu.cuEventDestroy_v2(event)
             cu.cuMemFreeHost(buf)
@@ -71,28 +93,54 @@ class _ThreadStaging:
 
 class Staging:
     """Staged copies to GPU `ordinal` from any number of threads (each gets its own
-    buffers on first use). `finish()` waits for every copy and frees the buffers."""
+    buffers on first use), straight to their place or, for a tensor to be quantized, to
+    the thread's device scratch first (stage, then quantize_staged). `finish()` waits for
+    every copy and kernel and frees the buffers."""
 
     def __init__(self, ordinal: int):
         self.ordinal = ordinal
         self._local = threading.local()
         self._all: list[_ThreadStaging] = []
         self._lock = threading.Lock()
+        self._quantizer: Fp8BlockQuantizer | None = None
 
-    def send(self, dst: int, data: memoryview) -> None:
+    def _mine(self) -> _ThreadStaging:
         mine = getattr(self._local, "staging", None)
         if mine is None:
             mine = self._local.staging = _ThreadStaging(self.ordinal)
             with self._lock:
                 self._all.append(mine)
         make_current(self.ordinal)
-        src = np.frombuffer(data, dtype=np.uint8).ctypes.data  # (a read-only mapping has an address too)
-        mine.send(dst, src, len(data))
+        return mine
+
+    def send(self, dst: int, data: memoryview) -> None:
+        self._mine().send(dst, _address(data), len(data))
+
+    def stage(self, at: int, data: memoryview, total: int) -> None:
+        """Bytes `at`.. of a tensor of `total` bytes into this thread's device scratch."""
+        mine = self._mine()
+        mine.send(mine.scratch_for(total) + at, _address(data), len(data))
+
+    def quantize_staged(self, q: int, scale_inv: int, rows: int, cols: int) -> None:
+        """The bf16 matrix [rows, cols] this thread staged, quantized to block FP8 at device
+        addresses `q` and `scale_inv` (ipc/fp8_device.py), in the order of its copies."""
+        mine = self._mine()
+        with self._lock:
+            if self._quantizer is None:
+                self._quantizer = Fp8BlockQuantizer(self.ordinal)  # (compiled once per load)
+        self._quantizer.launch(mine.stream, mine.scratch, q, scale_inv, rows, cols)
 
     def finish(self) -> None:
         make_current(self.ordinal)
         with self._lock:
             stagings, self._all = self._all, []
+            quantizer, self._quantizer = self._quantizer, None
         for s in stagings:
             s.close()
+        if quantizer is not None:
+            quantizer.close()
         self._local = threading.local()
+
+
+def _address(data: memoryview) -> int:
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data  # (a read-only mapping has an address too)

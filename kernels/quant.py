@@ -13,18 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from preload.kernels.fp8 import FP8, dequantize_block, quantize_block
-from preload.kernels.precision import stored_dtype
+from preload.kernels.fp8 import dequantize_block, quantize_block
+from preload.kernels.precision import QUANT_BLOCK, SCALE_SUFFIX, is_quantizable, stored_dtype, stored_specs
 from preload.options import QUANT_MODES
 
-BLOCK = (128, 128)
-SCALE_SUFFIX = "_scale_inv"
-
-
-def is_quantizable(name: str) -> bool:
-    """The projection matrices of attention, dense MLPs and experts; not the MTP's
-    eh_proj, which DeepSeek keeps in bf16 like the embeddings and heads."""
-    return name.endswith("proj.weight") and not name.endswith("eh_proj.weight")
+BLOCK = QUANT_BLOCK
 
 
 def high_precision_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -86,11 +79,7 @@ def scale_block(w: Weight) -> tuple[int, int]:
     return w.block
 
 
-def stored_layout(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """What `quantize_weight` will produce for a tensor, known before reading it, so
-    the daemon can size and lay out its arena up front."""
-    if mode == "none" or not is_quantizable(name):
-        return {name: (high_precision_dtype(name, dtype), shape)}
-    block = BLOCK if mode == "fp8_block" else shape
-    scales = tuple(-(-n // b) for n, b in zip(shape, block))
-    return {name: (FP8, shape), name + SCALE_SUFFIX: (torch.float32, scales)}
+def stored_layout(name: str, shape: tuple[int, ...], mode: str, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple]]:
+    """precision.stored_specs in torch dtypes."""
+    specs = stored_specs(name, shape, mode, str(dtype).removeprefix("torch."))
+    return {stored: (getattr(torch, dt), s) for stored, (dt, s) in specs.items()}

@@ -1,15 +1,19 @@
-"""Loading a checkpoint that needs no arithmetic, without torch: every tensor is stored as
-the file holds it (a bfloat16 or float16 router weight is widened to float32, bit for bit).
+"""Loading a checkpoint without torch: every tensor stored as the file holds it (a bfloat16
+or float16 router weight widened to float32, bit for bit), or, for fp8_block into GPU
+memory, each bf16 projection matrix quantized on the GPU as it arrives.
 
 That is a `--quant none` load of a checkpoint already in the model's dtype (DeepSeek
 V2-Lite's bf16 files on a GPU; a float32 checkpoint on the CPU) into a memfd or cuda-vmm
-arena. The daemon then needs no torch to be ready: on a GPU host `import torch` alone
-takes 4-6 s, longer than reading V2-Lite's 31 GB from the page cache. The files are
-mapped, and a pool of threads takes each tensor a chunk at a time, while the chunk is in
-the cache: hashed (BLAKE3), checked for NaN and Inf (numpy) and copied into the arena
-(memfd: pwrite; cuda-vmm: the driver's copy from pageable memory). All three release the
-GIL. Any other load (quantized, converted, native FP8, cuda-ipc) is preloadd/loader.py's,
-which shares with this file the arena's plan and publishing and the manifest.
+arena, and a `--quant fp8_block` load of bf16 files into a cuda-vmm arena on a GPU that
+has e4m3 in hardware (ipc/fp8_device.py). The daemon then needs no torch to be ready: on
+a GPU host `import torch` alone takes 4-6 s, longer than reading V2-Lite's 31 GB from the
+page cache. The files are mapped, and a pool of threads takes each tensor a chunk at a
+time, while the chunk is in the cache: hashed (BLAKE3), checked for NaN and Inf (numpy)
+and copied into the arena (memfd: pwrite; cuda-vmm: through pinned buffers,
+ipc/staging.py; a matrix to quantize goes to the thread's device scratch, and the kernel
+writes the arena from there). All of it releases the GIL. Any other load (fp8_per_tensor,
+converted, native FP8, cuda-ipc, a GPU without e4m3) is preloadd/loader.py's, which
+shares with this file the arena's plan and publishing and the manifest.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from preload.checkpoint.headers import CheckpointError, StoredTensor, read_heade
 from preload.checkpoint.identity import AUX_FILES, checkpoint_record, describe, digest, fingerprint
 from preload.checkpoint.pages import populate
 from preload.checkpoint.shapes import wanted_shapes
+from preload.ipc import fp8_device
 from preload.ipc.arena import create_arena
+from preload.ipc.devices import ordinal
 from preload.ipc.layout import Layout, TensorEntry, pack
 from preload.ipc.manifest import FILE_PREFIX, Manifest
-from preload.kernels.precision import stored_dtype
+from preload.kernels.precision import stored_specs
 from preload.preloadd.weights import Loaded, LoadError, Progress
 
 LOADER_THREADS = 16
@@ -85,32 +91,41 @@ def manifest_of(model_dir: Path, files: dict[str, bytes], quant: str, dtype: str
 @dataclass
 class CopyPlan:
     stored: dict[str, StoredTensor]  # the source of each weight, in the config's order
+    quantized: dict[str, tuple[str, str]]  # weight -> its e4m3 and scale entries (fp8_block on a GPU)
     entries: list[TensorEntry]
     size: int
     files: dict[str, bytes]
 
 
-def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str) -> CopyPlan | None:
-    """The plan of a load that needs no arithmetic, or None if this one needs some (or
-    the checkpoint is faulty: preloadd/loader.py then says how, as for any load)."""
-    if quant != "none" or transport not in ("memfd", "cuda-vmm"):
+def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str, device: str) -> CopyPlan | None:
+    """The plan of a load this file can do, or None if this one needs torch (or the
+    checkpoint is faulty: preloadd/loader.py then says how, as for any load): weights
+    kept as stored, and with fp8_block into GPU memory that can quantize them, bf16
+    matrices quantized on the way (ipc/fp8_device.py)."""
+    quantizing = quant == "fp8_block" and transport == "cuda-vmm" and fp8_device.available(ordinal(device))
+    if not (quant == "none" or quantizing) or transport not in ("memfd", "cuda-vmm"):
         return None
     try:
         cfg = ModelConfig.from_dir(model_dir)
         headers = read_headers(model_dir)
     except (CheckpointError, OSError, ValueError):
         return None
-    stored, specs = {}, []
+    stored, quantized, specs = {}, {}, []
     for name, shape in wanted_shapes(cfg, headers).items():
-        source, want = headers.get(name), stored_dtype(name, dtype)
-        as_is = source is not None and (source.dtype == want or (want == "float32" and source.dtype in WIDENED))
-        if not as_is or source.shape != shape:
+        source, wanted = headers.get(name), stored_specs(name, shape, quant, dtype)
+        if source is None or source.shape != shape:
+            return None
+        if len(wanted) == 2:  # e4m3 and its scales, from a bf16 matrix
+            if source.dtype != "bfloat16" or len(shape) != 2:
+                return None
+            quantized[name] = tuple(wanted)
+        elif not (source.dtype == wanted[name][0] or (wanted[name][0] == "float32" and source.dtype in WIDENED)):
             return None
         stored[name] = source
-        specs.append((name, want, shape))
+        specs += [(stored_name, dt, s) for stored_name, (dt, s) in wanted.items()]
     files = aux_files(model_dir)
     entries, size = pack(specs + aux_specs(files))
-    return CopyPlan(stored, entries, size, files)
+    return CopyPlan(stored, quantized, entries, size, files)
 
 
 def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport: str, progress: Progress,
@@ -121,7 +136,7 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
     progress.started = time.monotonic()  # the load alone: not the imports or the daemon's start before it
     if plan is None:
         with progress.timed("plan"):
-            plan = copy_plan(model_dir, quant, dtype, transport)
+            plan = copy_plan(model_dir, quant, dtype, transport, device)
     if plan is None:
         return None
     by_name = {e.name: e for e in plan.entries}
@@ -140,7 +155,8 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
 
         def store(name: str) -> None:
             source, entry = plan.stored[name], by_name[name]
-            widen = entry.dtype != source.dtype
+            quantized = plan.quantized.get(name)
+            widen = entry.dtype != source.dtype and not quantized
             spent = {"read": 0.0, copying_in: 0.0}
             t = time.perf_counter()
             populate(addresses[source.path] + source.start, source.end - source.start)  # (pages.py)
@@ -150,7 +166,9 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                 if not all_finite(source.dtype, chunk):
                     raise nonfinite(source.path, name)
                 t = time.perf_counter()
-                if widen:
+                if quantized:
+                    arena.stage_part(at, chunk, source.end - source.start)
+                elif widen:
                     arena.write_part(entry, at * 2, memoryview(widened(source.dtype, chunk)).cast("B"))
                 else:
                     arena.write_part(entry, at, chunk)
@@ -165,10 +183,15 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
             if failure is not None:
                 raise failure
             spent["hash"] = time.perf_counter() - t - spent[copying_in]
+            if quantized:
+                t = time.perf_counter()
+                arena.write_fp8_block(*(by_name[n] for n in quantized))  # (queued behind the copies)
+                spent["quantize"] = time.perf_counter() - t
+            written = [by_name[n] for n in quantized or (name,)]
             with lock:
                 progress.add(spent)
-                progress.done_bytes += entry.nbytes
-                progress.tensors_done += 1
+                progress.done_bytes += sum(e.nbytes for e in written)
+                progress.tensors_done += len(written)
                 on_progress(progress)
 
         in_file_order = sorted(plan.stored, key=lambda n: (plan.stored[n].path, plan.stored[n].start))

@@ -32,8 +32,7 @@ from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
 from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
-from preload.preloadd.state_dir import (DAEMON_FILE, PidLock, device_lock, kernel_cache_dir, prepare_state_dir,
-                                        write_private_json)
+from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, kernel_cache_dir, prepare_state_dir, write_private_json
 from preload.preloadd.supervisor import Supervisor
 from preload.preloadd.weights import Loaded, LoadError, Progress, kept_manifest
 
@@ -201,7 +200,7 @@ class Daemon:
                                                             "health_port": self.ports["health"],
                                                             "api_port": self.ports["api"]})
             self._install_signal_handlers()
-            copying = copy_plan(r.model, o.quant, r.dtype, r.transport) if kept is None else None
+            copying = copy_plan(r.model, o.quant, r.dtype, r.transport, r.device) if kept is None else None
             if kept is None and copying is None:
                 # A load with arithmetic follows: torch now (/health answers meanwhile), before the
                 # zygote's import competes. (A copy needs none: preloadd/copy_loader.py.)
@@ -322,7 +321,7 @@ class Daemon:
                 systemd.notify(STATUS=f"loading: {p.done_bytes / 2**30:.2f} of {p.total_bytes / 2**30:.2f} GiB")
 
         if found is not None:  # the keeper's weights proved not ours: not planned before
-            copying = copy_plan(r.model, o.quant, r.dtype, r.transport)
+            copying = copy_plan(r.model, o.quant, r.dtype, r.transport, r.device)
         loaded = None
         if copying is not None:
             loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress, copying)

@@ -24,7 +24,8 @@ from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_check
 from preload.checkpoint.shapes import wanted_shapes
 from preload.ipc.arena import create_arena
 from preload.ipc.layout import TensorEntry, pack
-from preload.kernels.quant import SCALE_SUFFIX, quantize_weight, stored_layout
+from preload.kernels.precision import stored_specs
+from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
 from preload.preloadd.copy_loader import aux_files, aux_specs, check_memory, manifest_of, nonfinite, publish
 from preload.preloadd.weights import Loaded, Progress
 
@@ -35,11 +36,9 @@ def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> t
     """Arena entries for every stored tensor and for the tokenizer/config files."""
     with CheckpointReader(model_dir) as reader:
         shapes = wanted_shapes(cfg, reader)
-    specs = [
-        (name, str(stored_dtype).removeprefix("torch."), stored_shape)
-        for source, shape in shapes.items()
-        for name, (stored_dtype, stored_shape) in stored_layout(source, shape, quant, dtype).items()
-    ]
+    dtype_name = str(dtype).removeprefix("torch.")
+    specs = [(name, stored_dtype, stored_shape) for source, shape in shapes.items()
+             for name, (stored_dtype, stored_shape) in stored_specs(source, shape, quant, dtype_name).items()]
     files = aux_files(model_dir)
     entries, size = pack(specs + aux_specs(files))
     return entries, size, files

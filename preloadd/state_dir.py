@@ -11,7 +11,6 @@ import stat
 import tempfile
 from pathlib import Path
 
-
 log = logging.getLogger(__name__)
 
 

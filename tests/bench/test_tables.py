@@ -152,6 +152,18 @@ def test_cold_table_from_a_recorded_run():
     assert f"`cat` of the files {cold._dur(result['cat_files']['p50'])}" in table
 
 
+def test_cold_table_with_a_worker_shows_the_first_start_apart():
+    """An H200 run of `bench cold --quant fp8_block --workers 1`: the start with no kernels
+    compiled (a machine's first) is its own line, each start's log lines under it."""
+    result = recorded("cold-workers")
+    table = cold.format_table(result)
+    first = result["first_start"]["fp8_block"]
+    line = next(ln for ln in table.splitlines() if ln.startswith("fp8_block first"))
+    assert f"ready {first['start_to_ready_s']:.3f} s = {cold._ratio(first['ratio_ready_over_cat'])} `cat`" in line
+    assert all(log_line in table for log_line in first["worker_log"] + result["start"]["fp8_block"]["worker_log"])
+    assert any("captured 16 decode graphs" in ln for ln in first["worker_log"])
+
+
 def test_checkpoint_reading_helpers(tmp_path):
     import torch
     from safetensors.torch import save_file

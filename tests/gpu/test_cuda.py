@@ -131,9 +131,10 @@ def test_cuda_ipc_and_vmm_give_identical_outputs(daemon, model_dir):
 
 
 def test_a_copy_into_device_memory_stores_what_the_computing_loader_stores(model_dir, monkeypatch):
-    """The load without torch (the driver's copies into the VMM arena from every loader
-    thread; the router widened to float32 on the host), with 4 KiB chunks and with whole
-    tensors: the same bytes and manifest as the loader that computes on the GPU."""
+    """The load without torch (copies into the VMM arena from every loader thread; the
+    router widened to float32 on the host; fp8_block quantized by our kernel), with 4 KiB
+    chunks and with whole tensors: the same bytes and manifest as the loader that computes
+    on the GPU with torch."""
     from preload.checkpoint import identity
     from preload.preloadd.copy_loader import load_copied
     from preload.preloadd.loader import load
@@ -146,13 +147,15 @@ def test_a_copy_into_device_memory_stores_what_the_computing_loader_stores(model
         loaded.arena.close()
         return data, loaded.manifest.to_wire()
 
-    computed = stored(load(model_dir, "none", torch.bfloat16, torch.device("cuda:0"), "cuda-vmm", Progress()))
-    for chunk in (1 << 40, 4096):
-        monkeypatch.setattr(identity, "CHUNK_BYTES", chunk)
-        progress = Progress()
-        copied = load_copied(model_dir, "none", "bfloat16", "cuda:0", "cuda-vmm", progress)
-        assert copied is not None and progress.stages["upload"] > 0
-        assert stored(copied) == computed
+    for quant in ("none", "fp8_block"):  # (fp8_block: quantized on the GPU by ipc/fp8_device.py's kernel)
+        computed = stored(load(model_dir, quant, torch.bfloat16, torch.device("cuda:0"), "cuda-vmm", Progress()))
+        for chunk in (1 << 40, 4096):
+            monkeypatch.setattr(identity, "CHUNK_BYTES", chunk)
+            progress = Progress()
+            copied = load_copied(model_dir, quant, "bfloat16", "cuda:0", "cuda-vmm", progress)
+            assert copied is not None and progress.stages["upload"] > 0
+            assert (progress.stages.get("quantize", 0) > 0) == (quant == "fp8_block")
+            assert stored(copied) == computed, (quant, chunk)
 
 
 def test_the_daemon_knows_a_gpu_by_the_uuid_torch_gives_it():

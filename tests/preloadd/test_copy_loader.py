@@ -1,8 +1,9 @@
 """A load with no arithmetic to do (`--quant none`, the checkpoint already in the model's
-dtype) is a copy, made without torch: the same arena bytes, layout and fingerprint as the
-loader that computes, whatever the chunk; a bfloat16 router weight widened to float32 bit
-for bit; a NaN named; any load that must compute left to the other loader; and a daemon
-that loads so is ready without ever mapping libtorch."""
+dtype) is a copy, made without torch (and so is fp8_block into a GPU that quantizes:
+tests/gpu/test_cuda.py; its plan is checked here): the same arena bytes, layout and
+fingerprint as the loader that computes, whatever the chunk; a bfloat16 router weight
+widened to float32 bit for bit; a NaN named; any load that must compute left to the
+other loader; and a daemon that loads so is ready without ever mapping libtorch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from daemons import running_daemon
 from safetensors.torch import load_file, save_file
 
 from preload.checkpoint import identity
+from preload.checkpoint.config import ModelConfig
+from preload.ipc import fp8_device
+from preload.preloadd import loader
 from preload.preloadd.copy_loader import copy_plan, load_copied
 from preload.preloadd.loader import load
 from preload.preloadd.weights import LoadError, Progress
@@ -72,15 +76,15 @@ def test_a_bfloat16_router_weight_is_widened_bit_for_bit(tiny_checkpoint, tmp_pa
 
 
 def test_loads_that_must_compute_are_left_to_the_other_loader(tiny_checkpoint, tmp_path):
-    assert copy_plan(tiny_checkpoint, "none", "float32", "memfd") is not None
-    assert copy_plan(tiny_checkpoint, "fp8_block", "float32", "memfd") is None  # quantized
-    assert copy_plan(tiny_checkpoint, "none", "bfloat16", "memfd") is None  # float32 files, converted
-    assert copy_plan(tiny_checkpoint, "none", "float32", "cuda-ipc") is None  # (its arena wants torch)
+    assert copy_plan(tiny_checkpoint, "none", "float32", "memfd", "cpu") is not None
+    assert copy_plan(tiny_checkpoint, "fp8_block", "float32", "memfd", "cpu") is None  # quantized
+    assert copy_plan(tiny_checkpoint, "none", "bfloat16", "memfd", "cpu") is None  # float32 files, converted
+    assert copy_plan(tiny_checkpoint, "none", "float32", "cuda-ipc", "cuda") is None  # (its arena wants torch)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_checkpoint, broken)
     (path,) = broken.glob("*.safetensors")
     path.write_bytes(path.read_bytes()[:-10])  # truncated: the other loader says so, as for any load
-    assert copy_plan(broken, "none", "float32", "memfd") is None
+    assert copy_plan(broken, "none", "float32", "memfd", "cpu") is None
     assert load_copied(broken, "none", "float32", "cpu", "memfd", Progress()) is None
 
 
@@ -109,3 +113,20 @@ def test_a_daemon_that_copies_its_weights_never_maps_torch(tiny_checkpoint, tmp_
         s = d.status()
         assert s["state"] == "ready"
         assert "libtorch" not in Path(f"/proc/{s['pid']}/maps").read_text()
+
+
+def test_a_plan_that_quantizes_on_the_gpu_lays_the_arena_out_as_the_computing_loader(tiny_checkpoint, tmp_path,
+                                                                                      monkeypatch):
+    model = as_bfloat16(tiny_checkpoint, tmp_path / "bf16")
+    monkeypatch.setattr(fp8_device, "available", lambda ordinal: True)  # (a GPU's answer: tests/gpu load with it)
+    plan = copy_plan(model, "fp8_block", "bfloat16", "cuda-vmm", "cuda:0")
+    entries, size, _ = loader.plan(ModelConfig.from_dir(model), model, "fp8_block", torch.bfloat16)
+    assert plan is not None and (plan.entries, plan.size) == (entries, size)
+    by_name = {e.name: e for e in plan.entries}
+    assert plan.quantized and all(by_name[q].dtype == "float8_e4m3fn" and by_name[s].dtype == "float32"
+                                  for q, s in plan.quantized.values())
+    assert copy_plan(model, "fp8_block", "bfloat16", "memfd", "cpu") is None  # (quantized with torch on a CPU)
+    assert copy_plan(model, "fp8_per_tensor", "bfloat16", "cuda-vmm", "cuda:0") is None
+    assert copy_plan(tiny_checkpoint, "fp8_block", "float32", "cuda-vmm", "cuda:0") is None  # float32 files
+    monkeypatch.setattr(fp8_device, "available", lambda ordinal: False)  # no e4m3 in hardware, or no NVRTC
+    assert copy_plan(model, "fp8_block", "bfloat16", "cuda-vmm", "cuda:0") is None
