@@ -54,6 +54,7 @@ class LLM:
         dtype: str | None = None,
         state_dir: str | Path | None = None,
         engine: EngineOptions | None = None,
+        lazy_graphs: bool = False,
     ):
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
@@ -67,6 +68,7 @@ class LLM:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
         self.graphs: DecodeGraphs | None = None
+        self.lazy_graphs = lazy_graphs  # only the largest decode graph now, the rest as the engine idles
         self.engine: Engine | None = None
         engine = engine or EngineOptions()
         if engine.kv_cache_memory is None:
@@ -93,7 +95,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint,
                              self._draft_model(config), kv_memory)
         if graphs is not None and not graphs.graphs:
-            graphs.capture(self.engine.cache, self.engine.scratch_block)
+            graphs.capture(self.engine.cache, self.engine.scratch_block, graphs.sizes[-1:] if self.lazy_graphs else None)
         self.stop_ids = self.engine.stop_ids
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:

@@ -108,17 +108,20 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None) -> None:
+def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None,
+          lazy_graphs: bool = False) -> None:
     """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
     until warm). Supervised (the daemon's shared socket and a link) it warms up and
     builds its HTTP app first, waits for its slot, and only then allocates its KV cache
-    and accepts: meanwhile clients wait in the backlog, or are taken by ready workers."""
+    and accepts: meanwhile clients wait in the backlog, or are taken by ready workers.
+    `lazy_graphs`: a worker a slot waits for captures its decode graphs after it is ready
+    (cuda_graphs.py); a spare, whose start no one waits for, captures them all first."""
     w = opts.worker
     state = WorkerState()
     engine: AsyncEngine | None = None
     if link is not None:  # beats from now on: a worker stuck before its engine runs is seen too
         link.beat(lambda: engine.progress() if engine else (0, False))
-    llm = open_weights(opts, state, supervised=link is not None)
+    llm = open_weights(opts, state, link is not None, lazy_graphs)
     log.info("weights attached in %.3f s", time.monotonic() - state.started)
     name = w.served_model_name or Path(llm.attached.manifest.model if llm.attached else opts.model).name
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
@@ -184,14 +187,14 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
         raise RuntimeError(f"engine failed: {engine.error}") from engine.error
 
 
-def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool) -> LLM:
+def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_graphs: bool) -> LLM:
     """The model on the daemon's weights; or, when no daemon answers on the state dir and
     --model names a checkpoint (and neither --require-daemon nor a supervisor says the
     daemon is a must), on the checkpoint loaded here, as vLLM's preload falls back: the
     worker still serves, said loudly in its log and /status."""
     engine = replace(opts.worker.engine, kv_cache_memory=WARM_UP_KV_BYTES)
     try:
-        llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine)
+        llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine, lazy_graphs=lazy_graphs)
         state.weights_note = f"the daemon's on {llm.attached.state_dir}"
         return llm
     except DaemonUnavailable as e:
@@ -201,7 +204,7 @@ def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool) -> LL
                 " read again at every restart (--require-daemon refuses to start instead)")
     log.warning("*** %s ***", note)
     state.weights, state.weights_note = "in-process", note
-    return LLM(opts.model, engine=engine)
+    return LLM(opts.model, engine=engine, lazy_graphs=lazy_graphs)
 
 
 def mark_ready(state: WorkerState) -> None:
@@ -227,7 +230,7 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
     # Taken over by a new daemon, or retired by it (then drain, as on SIGTERM).
     link = DaemonLink(link_fd, on_slot, opts.state_dir, on_retire=lambda why: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        serve(opts, sock, link)
+        serve(opts, sock, link, lazy_graphs=forked_for is not None)
     finally:
         link.close()
     return 0

@@ -105,3 +105,30 @@ def test_graphs_serve_a_new_cache_after_capture():
     want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
     assert calls
     assert_same_greedy(got, want)
+
+
+def test_a_lazy_start_captures_the_largest_graph_then_the_rest_while_idle():
+    """A worker a slot waits for (lazy_graphs) is ready with the largest bucket alone, which
+    every decode batch fits, padded; the engine captures the rest one per idle turn,
+    smallest first, against its real cache. The tokens are eager's throughout."""
+    options = EngineOptions(kv_cache_memory=4 << 20, max_num_seqs=40)
+    lazy = LLM(BUNDLED_MODEL, device="cuda", engine=options, lazy_graphs=True)
+    eager = LLM(BUNDLED_MODEL, device="cuda", engine=replace(options, kv_cache_memory=64 << 20, enforce_eager=True))
+    assert sorted(lazy.graphs.graphs) == [40]
+    lazy.start_engine(replace(options, kv_cache_memory=64 << 20))  # the slot's cache: nothing captured for it
+    assert sorted(lazy.graphs.graphs) == [40]
+    buckets, replay = [], lazy.graphs.replay
+    lazy.graphs.replay = lambda batch, scratch, tokens=None: (
+        buckets.append(min(s for s in lazy.graphs.graphs if s >= len(batch))) or replay(batch, scratch, tokens))
+    batch = prompts(3, seed=11)
+    want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
+    assert_same_greedy(lazy.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True), want)
+    assert buckets and set(buckets) == {40}
+
+    order = []
+    while lazy.engine.capture_idle():
+        order.append(max(set(lazy.graphs.graphs) - set(order) - {40}, default=None))
+    assert order == [1, 2, 4, 8, 16, 24, 32] and sorted(lazy.graphs.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
+    buckets.clear()
+    assert_same_greedy(lazy.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True), want)
+    assert buckets and set(buckets) == {4}  # (three sequences: the bucket of 4 now)

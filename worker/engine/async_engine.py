@@ -140,8 +140,9 @@ class AsyncEngine:
                     op, seq = self._inbox.get()
                     engine.add(seq) if op == "add" else engine.abort(seq)
                 if not engine.has_work():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
+                    if not engine.capture_idle():  # (idle: the decode graphs a lazy start left, one at a time)
+                        self._wake.wait(0.5)
+                        self._wake.clear()
                     continue
                 outputs = engine.step()
                 self.steps += 1

@@ -66,15 +66,21 @@ class DecodeGraphs:
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None  # the captures' shared memory pool: the first (largest) capture sizes it
 
     def serves(self, block_size: int, kv_cache_dtype: str) -> bool:
         return (block_size, kv_cache_dtype) == (self.block_size, self.kv_cache_dtype)
 
     def fits(self, batch: list[tuple]) -> bool:
         """Whether a step of (sequence, start, n) spans can be replayed: one new token each,
-        few enough sequences, every context within the table."""
-        return (len(batch) <= self.sizes[-1] and all(n == 1 for _, _, n in batch)
+        few enough sequences for a captured bucket, every context within the table."""
+        return (bool(self.graphs) and len(batch) <= max(self.graphs) and all(n == 1 for _, _, n in batch)
                 and all(len(seq.blocks) <= self.width for seq, _, _ in batch))
+
+    @property
+    def pending(self) -> list[int]:
+        """The buckets not captured yet, smallest first."""
+        return [s for s in self.sizes if s not in self.graphs]
 
     def _meta(self, size: int) -> AttentionMeta:
         tokens, positions, slots, lens = self.ids[:, :size]
@@ -104,33 +110,51 @@ class DecodeGraphs:
         copied.record()
 
     @torch.inference_mode()
-    def capture(self, cache: LatentCache, scratch_block: int) -> None:
-        """Capture every bucket, largest first (the smaller ones then fit in the memory
-        pool it leaves). `cache` must have been made with ptrs=self.cache_ptrs."""
+    def capture(self, cache: LatentCache, scratch_block: int, sizes: list[int] | None = None) -> None:
+        """Capture `sizes` (default: every bucket still pending), largest first: the first
+        capture, of the largest bucket, sizes the memory pool the others then fit in. A
+        worker on a cold start's path captures only the largest before it is ready (every
+        decode batch fits it, padded) and the rest while idle (capture_next): 16 captures,
+        2.5-3.3 s of a V2-Lite worker's start on the H200, leave its start.
+        `cache` must have been made with ptrs=self.cache_ptrs."""
         assert cache.ptrs is self.cache_ptrs, "the cache must write its addresses into the graphs' table"
         t0 = time.monotonic()
-        pool = None
-        for size in reversed(self.sizes):
-            self._fill([], size, scratch_block)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # a first run compiles the kernels and lazily made weights, outside capture
-                self._step(size, cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._step(size, cache)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        todo = sorted(self.pending if sizes is None else set(sizes) - set(self.graphs), reverse=True)
+        if todo and self.pool is None and todo[0] != self.sizes[-1]:
+            todo.insert(0, self.sizes[-1])  # (the pool is sized by the largest)
+        for size in todo:
+            self._capture(size, cache, scratch_block)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch %d..%d) in %.2f s", len(self.sizes), self.sizes[0], self.sizes[-1],
-                 time.monotonic() - t0)
+        if todo:
+            log.info("captured %d decode graphs (batch %s) in %.2f s", len(todo), ",".join(map(str, sorted(todo))),
+                     time.monotonic() - t0)
+
+    def capture_next(self, cache: LatentCache, scratch_block: int) -> bool:
+        """Capture the smallest pending bucket (an idle engine's, between steps); False if none is."""
+        if not self.pending:
+            return False
+        self.capture(cache, scratch_block, self.pending[:1])
+        return True
+
+    def _capture(self, size: int, cache: LatentCache, scratch_block: int) -> None:
+        self._fill([], size, scratch_block)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a first run compiles the kernels and lazily made weights, outside capture
+            self._step(size, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a capture between steps must not fail over another thread's CUDA call
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs[size] = self._step(size, cache)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
 
     def replay(self, batch: list[tuple], scratch_block: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs [len(batch), vocab] of the next token for (sequence, start, 1) spans,
         valid until the next replay (the graphs share their memory). `tokens`: the
         batch's input tokens on the device, when the host does not have them yet."""
-        size = next(s for s in self.sizes if s >= len(batch))
+        size = min(s for s in self.graphs if s >= len(batch))
         self._fill([(0 if tokens is not None else seq.tokens(start, start + 1)[0], start, seq.blocks)
                     for seq, start, _ in batch], size, scratch_block)
         if tokens is not None:

@@ -8,6 +8,7 @@ runs in stages (faults.py): its failure ends that sequence alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from preload.worker.engine.sequence import CacheSource, Sequence
 from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,19 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.flight is not None)
+
+    def capture_idle(self) -> bool:
+        """Capture one decode graph a lazy start left (cuda_graphs.py), between steps, while
+        nothing waits; False if none is left. A failure (no memory for it, say) is logged
+        and ends the captures: the batches that bucket would take replay a larger one."""
+        if self.graphs is None or self.drafter is not None or self.has_work():
+            return False
+        try:
+            return self.graphs.capture_next(self.cache, self.scratch_block)
+        except RuntimeError as e:
+            log.warning("decode graphs not captured (%s); batches of %s replay a larger one", e, self.graphs.pending)
+            self.graphs.sizes = sorted(self.graphs.graphs)
+            return False
 
     def stats(self) -> EngineStats:
         """Safe to call from another thread: each number is read once, none is changed."""
