@@ -192,7 +192,7 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
     return run
 
 
-START_LINES = {"daemon.log": ("loading ", "ready in", "worker 0 started", "worker 0 ready"),
+START_LINES = {"daemon.log": ("loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
                "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in")}
 
 

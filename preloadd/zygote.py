@@ -143,7 +143,7 @@ def main() -> None:
     # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
     gc.freeze()
     try:
-        send(control, {"ready": True, "pid": os.getpid()})
+        send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
         while True:
             msg, _ = receive(control)
             if msg is None:  # the daemon closed its end
@@ -187,6 +187,7 @@ class Zygote:
         self.pidfd = os.pidfd_open(self.proc.pid)  # readable once it has exited
         self.version = version  # of the code it imported
         self.ready = False
+        self.launched, self.ready_at = time.monotonic(), 0.0
 
     @property
     def pid(self) -> int:
@@ -196,6 +197,9 @@ class Zygote:
         """Read the zygote's ready message (call once `sock` is readable); False if it died instead."""
         ready, _ = receive(self.sock)
         self.ready = bool(ready)
+        if self.ready:
+            at = ready.get("at")
+            self.ready_at = at if isinstance(at, float) and self.launched <= at <= time.monotonic() else time.monotonic()
         return self.ready
 
     def fork(self, slot: int | None) -> tuple[int, socket.socket]:
@@ -300,6 +304,9 @@ class Zygotes:
         if self._had_one:
             self.restarts += 1
             log.info("zygote ready (pid %d), replacing one that %s", z.pid, "was outdated" if old else "died")
+        else:  # (on a cold start's path: a worker forks from it once the load is done, and it is ready)
+            log.info("zygote ready (pid %d) %.3f s after its launch, seen %.3f s later", z.pid, z.ready_at - z.launched,
+                     time.monotonic() - z.ready_at)
         self._had_one = True
         if old is not None:
             self._retire(old)
