@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
+import logging
 import os
 import sys
 import threading
 
 from preload.ipc.devices import driver as _cu
 from preload.ipc.devices import make_current
+
+log = logging.getLogger(__name__)
 
 MIN_CAPABILITY = (8, 9)
 KERNEL = "quantize_fp8_block"
@@ -99,14 +103,24 @@ def capability(ordinal: int) -> tuple[int, int]:
 
 
 def available(ordinal: int) -> bool:
-    """Whether GPU `ordinal` can quantize here: e4m3 in hardware and NVRTC found."""
+    """Whether GPU `ordinal` can quantize here: e4m3 in hardware, NVRTC found, and the
+    kernel compiled for it (once per process; a load decides by this, so a failure to
+    compile is known before anything is loaded, and torch quantizes instead)."""
     try:
-        return capability(ordinal) >= MIN_CAPABILITY and _nvrtc() is not None
-    except (OSError, RuntimeError):
+        if capability(ordinal) < MIN_CAPABILITY or _nvrtc() is None:
+            return False
+    except (OSError, RuntimeError):  # (no driver, no such GPU: the load says so)
+        return False
+    try:
+        _cubin(ordinal)
+        return True
+    except RuntimeError as e:
+        log.warning("fp8 quantized with torch, not by our kernel: %s", e)
         return False
 
 
-def _compile(ordinal: int) -> bytes:
+@functools.cache
+def _cubin(ordinal: int) -> bytes:
     """The kernel's cubin for GPU `ordinal`'s architecture."""
     nv, (major, minor) = _nvrtc(), capability(ordinal)
     if nv is None:
@@ -138,7 +152,7 @@ class Fp8BlockQuantizer:
 
     def __init__(self, ordinal: int):
         self.ordinal = ordinal
-        cubin = _compile(ordinal)
+        cubin = _cubin(ordinal)
         make_current(ordinal)
         cu, self.module, self.function = _cu(), ctypes.c_void_p(), ctypes.c_void_p()
         if cu.cuModuleLoadData(ctypes.byref(self.module), cubin) != 0:
