@@ -107,10 +107,11 @@ def test_graphs_serve_a_new_cache_after_capture():
     assert_same_greedy(got, want)
 
 
-def test_a_lazy_start_captures_the_largest_graph_then_the_rest_while_idle():
+def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or_while_idle():
     """A worker a slot waits for (lazy_graphs) is ready with the largest bucket alone, which
-    every decode batch fits, padded; the engine captures the rest one per idle turn,
-    smallest first, against its real cache. The tokens are eager's throughout."""
+    every decode batch fits; a bucket is captured at its first use (a busy engine would
+    otherwise pad every batch to the largest for good), and the rest one per idle turn,
+    smallest first, against the engine's real cache. The tokens are eager's throughout."""
     options = EngineOptions(kv_cache_memory=4 << 20, max_num_seqs=40)
     lazy = LLM(BUNDLED_MODEL, device="cuda", engine=options, lazy_graphs=True)
     eager = LLM(BUNDLED_MODEL, device="cuda", engine=replace(options, kv_cache_memory=64 << 20, enforce_eager=True))
@@ -123,12 +124,13 @@ def test_a_lazy_start_captures_the_largest_graph_then_the_rest_while_idle():
     batch = prompts(3, seed=11)
     want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
     assert_same_greedy(lazy.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True), want)
-    assert buckets and set(buckets) == {40}
+    assert set(buckets) == {4} and sorted(lazy.graphs.graphs) == [4, 40]  # (three sequences: captured at first use)
 
     order = []
     while lazy.engine.capture_idle():
-        order.append(max(set(lazy.graphs.graphs) - set(order) - {40}, default=None))
-    assert order == [1, 2, 4, 8, 16, 24, 32] and sorted(lazy.graphs.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
+        order.append(max(set(lazy.graphs.graphs) - set(order) - {4, 40}, default=None))
+    assert order == [1, 2, 8, 16, 24, 32] and sorted(lazy.graphs.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
     buckets.clear()
-    assert_same_greedy(lazy.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True), want)
-    assert buckets and set(buckets) == {4}  # (three sequences: the bucket of 4 now)
+    one = eager.generate(batch[:1], max_tokens=16, logprobs=5, ignore_eos=True)
+    assert_same_greedy(lazy.generate(batch[:1], max_tokens=16, logprobs=5, ignore_eos=True), one)
+    assert set(buckets) == {1}

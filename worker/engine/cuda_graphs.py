@@ -77,6 +77,10 @@ class DecodeGraphs:
         return (bool(self.graphs) and len(batch) <= max(self.graphs) and all(n == 1 for _, _, n in batch)
                 and all(len(seq.blocks) <= self.width for seq, _, _ in batch))
 
+    def bucket(self, n: int) -> int:
+        """The bucket a batch of `n` sequences is replayed in, once it is captured."""
+        return next(s for s in self.sizes if s >= n)
+
     @property
     def pending(self) -> list[int]:
         """The buckets not captured yet, smallest first."""
@@ -114,8 +118,9 @@ class DecodeGraphs:
         """Capture `sizes` (default: every bucket still pending), largest first: the first
         capture, of the largest bucket, sizes the memory pool the others then fit in. A
         worker on a cold start's path captures only the largest before it is ready (every
-        decode batch fits it, padded) and the rest while idle (capture_next): 16 captures,
-        2.5-3.3 s of a V2-Lite worker's start on the H200, leave its start.
+        decode batch fits it, padded) and each other bucket at its first use or while the
+        engine is idle (Engine.capture_idle): 16 captures, 2.5-3.3 s of a V2-Lite worker's
+        start on the H200, leave its start.
         `cache` must have been made with ptrs=self.cache_ptrs."""
         assert cache.ptrs is self.cache_ptrs, "the cache must write its addresses into the graphs' table"
         t0 = time.monotonic()
@@ -128,13 +133,6 @@ class DecodeGraphs:
         if todo:
             log.info("captured %d decode graphs (batch %s) in %.2f s", len(todo), ",".join(map(str, sorted(todo))),
                      time.monotonic() - t0)
-
-    def capture_next(self, cache: LatentCache, scratch_block: int) -> bool:
-        """Capture the smallest pending bucket (an idle engine's, between steps); False if none is."""
-        if not self.pending:
-            return False
-        self.capture(cache, scratch_block, self.pending[:1])
-        return True
 
     def _capture(self, size: int, cache: LatentCache, scratch_block: int) -> None:
         self._fill([], size, scratch_block)

@@ -157,13 +157,22 @@ class Engine:
         return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.flight is not None)
 
     def capture_idle(self) -> bool:
-        """Capture one decode graph a lazy start left (cuda_graphs.py), between steps, while
-        nothing waits; False if none is left. A failure (no memory for it, say) is logged
-        and ends the captures: the batches that bucket would take replay a larger one."""
+        """Capture the smallest decode graph a lazy start left (cuda_graphs.py), between
+        steps, while nothing waits; False if none is left."""
         if self.graphs is None or self.drafter is not None or self.has_work():
             return False
+        return self._capture(self.graphs.pending[:1])
+
+    def _capture(self, sizes: list[int]) -> bool:
+        """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200).
+        A failure (no memory for it, say) is logged and ends the captures: the batches
+        those buckets would take replay a larger one, padded."""
+        todo = [s for s in sizes if s in self.graphs.pending]
+        if not todo:
+            return False
         try:
-            return self.graphs.capture_next(self.cache, self.scratch_block)
+            self.graphs.capture(self.cache, self.scratch_block, todo)
+            return True
         except RuntimeError as e:
             log.warning("decode graphs not captured (%s); batches of %s replay a larger one", e, self.graphs.pending)
             self.graphs.sizes = sorted(self.graphs.graphs)
@@ -231,6 +240,9 @@ class Engine:
         states when run eagerly (None from a graph, whose rows are one per sequence).
         `tokens`: the batch's inputs already on the device (a step launched ahead)."""
         if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
+            # A lazy start's bucket, at its first use: captured now, so that a busy engine
+            # (never idle) does not pad its batches to the largest bucket for good.
+            self._capture([self.graphs.bucket(len(spans))])
             return self.graphs.replay(spans, self.scratch_block, tokens), None
         dev = self.device
         if tokens is None:
