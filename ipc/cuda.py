@@ -24,6 +24,7 @@ from preload.ipc.devices import ordinal as _ordinal
 from preload.ipc.layout import ArenaError, TensorEntry, check_part, check_planned
 from preload.ipc.manifest import ArenaInfo
 from preload.ipc.staging import Staging
+from preload.kernels.precision import FP8, QUANT_BLOCK
 
 if TYPE_CHECKING:  # the daemon makes, fills (write_part) and seals a cuda-vmm arena without it
     import torch
@@ -245,8 +246,8 @@ class VmmArena(_VmmHolder):
         """The bf16 matrix this thread staged (stage_part), quantized on the GPU into `q`
         (e4m3) and `scale_inv` (float32 per 128 x 128 block), without torch."""
         rows, cols = q.shape
-        blocks = (-(-rows // 128), -(-cols // 128))
-        if q.dtype != "float8_e4m3fn" or scale_inv.dtype != "float32" or scale_inv.shape != blocks:
+        blocks = (-(-rows // QUANT_BLOCK[0]), -(-cols // QUANT_BLOCK[1]))
+        if q.dtype != FP8 or scale_inv.dtype != "float32" or scale_inv.shape != blocks:
             raise ArenaError(f"{q.name}: {q.dtype} {q.shape} with {scale_inv.dtype} {scale_inv.shape} scales: no block fp8")
         self._staging.quantize_staged(self.ptr + q.offset, self.ptr + scale_inv.offset, rows, cols)
 
