@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 
 from preload.bench.driver import free_port, preload, running_daemon
@@ -125,6 +126,7 @@ class StartRun:
     at_port_open: dict[str, int] = field(default_factory=dict)  # daemon memory once imported, before loading
     after_ready: dict[str, int] = field(default_factory=dict)  # daemon: rss, uss, pss, shared, anon, file, shmem
     worker_log: list[str] = field(default_factory=list)  # with workers: the daemon's and worker 0's log lines (start_lines)
+    first_request_s: float | None = None  # with workers: the first request once ready (first_request)
 
     def sample(self, tree: list[psutil.Process], daemon: psutil.Process | None, port: int, now: float) -> None:
         """One poll of the launcher's process tree while it starts."""
@@ -181,6 +183,7 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
             run.after_ready = {"rss": full.rss, "uss": full.uss, "pss": full.pss, "shared": full.shared,
                                **{k: mem.get(k, 0) for k in ("anon", "file", "shmem")}}
             if workers:
+                run.first_request_s = first_request(d.api_port)
                 run.worker_log = start_lines(Path(d.state_dir))
             t1 = time.perf_counter()
             stop = preload("stop", "--state-dir", d.state_dir)
@@ -192,8 +195,22 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
     return run
 
 
-START_LINES = {"daemon.log": ("loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
+START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
                "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in")}
+
+
+FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a decode graph
+
+
+def first_request(port: int) -> float:
+    """Seconds the first request to a worker just ready takes: 32 prompt tokens, 4 out. What
+    a start leaves to its first request (kernels no step of the start ran) shows here."""
+    t = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                   json={"prompt": FIRST_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    if r.status_code != 200:
+        raise RuntimeError(f"the first request failed: {r.status_code} {r.text[:300]}")
+    return time.perf_counter() - t
 
 
 def start_lines(state_dir: Path) -> list[str]:
@@ -332,6 +349,7 @@ def summarize_starts(runs: list[StartRun], warm_s: float, first_s: float) -> dic
         "ratio_load_over_read_warm": load / warm_s,
         "stage_seconds": {k: statistics.median(r.stage_seconds.get(k, 0.0) for r in runs) for k in runs[-1].stage_seconds},
         "worker_log": runs[-1].worker_log,
+        "first_request_s": quantiles(r.first_request_s for r in runs) if runs[-1].first_request_s is not None else None,
     }
 
 
@@ -409,11 +427,15 @@ def format_table(result: dict) -> str:
                          + " (seconds summed over the loader's threads)")
     for quant, s in result["start"].items():
         if s.get("worker_log"):
-            lines.append(f"{quant + ' worker 0':15}  its start, from the daemon's and its log (the last run):")
+            first_request = s.get("first_request_s")  # (not in runs recorded before it was measured)
+            then = f"; then its first request (32 prompt tokens, 4 out) {first_request['p50']:.3f} s" if first_request else ""
+            lines.append(f"{quant + ' worker 0':15}  its start, from the daemon's and its log (the last run){then}:")
             lines += [f"{'':17}{line}" for line in s["worker_log"]]
     for quant, first in result.get("first_start", {}).items():
         lines.append(f"{quant + ' first':15}  a first start, no kernels compiled yet: ready {first['start_to_ready_s']:.3f} s"
-                     f" = {_ratio(first['ratio_ready_over_cat'])} `cat`, load {first['load_seconds']:.3f} s; from the logs:")
+                     f" = {_ratio(first['ratio_ready_over_cat'])} `cat`, load {first['load_seconds']:.3f} s"
+                     + (f", its first request {first['first_request_s']:.3f} s" if first.get("first_request_s") else "")
+                     + "; from the logs:")
         lines += [f"{'':17}{line}" for line in first["worker_log"]]
     t = result.get("transformers")
     if t:

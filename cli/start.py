@@ -26,6 +26,7 @@ from preload.ipc.devices import cuda_device_count
 from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
+from preload.preloadd.zygote import launch_early
 
 log = logging.getLogger("preload.daemon")
 LOG_BYTES, LOG_BACKUPS = protocol.LOG_BYTES, protocol.LOG_BACKUPS  # daemon.log, then .1 .. .3
@@ -54,11 +55,15 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     setproctitle(f"preload daemon --state-dir {options.state_dir}")  # what `ps` shows (its argv is JSON)
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
+    zygote = None
     try:
         _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)  # (`start` checked the state dir)
+        if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
+            zygote = launch_early(options.state_dir)
+            log.info("zygote launched (pid %d): its imports overlap the daemon's start and load", zygote.pid)
         from preload.preloadd.daemon import Daemon  # torch and the rest: a broken install is a failed start too
 
-        Daemon(options).run(notify)
+        Daemon(options, zygote).run(notify)
         return 0
     except KeyboardInterrupt:
         return 130
@@ -69,6 +74,9 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
         if notify_fd is None:
             click.echo(message, err=True)
         return 1
+    finally:
+        if zygote is not None:
+            zygote.discard()  # (reaped already, unless the start failed before its supervisor took it)
 
 
 def read_ahead(model_dir: Path) -> None:

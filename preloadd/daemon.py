@@ -29,12 +29,22 @@ from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
-from preload.preloadd.health import MULTIPROC_ENV, DaemonMetrics, HttpServer, make_app
+from preload.preloadd.health import DaemonMetrics, HttpServer, make_app
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
-from preload.preloadd.state_dir import DAEMON_FILE, PidLock, device_lock, kernel_cache_dir, prepare_state_dir, write_private_json
+from preload.preloadd.state_dir import (
+    DAEMON_FILE,
+    METRICS_DIR,
+    MULTIPROC_ENV,
+    PidLock,
+    device_lock,
+    kernel_cache_dir,
+    prepare_state_dir,
+    write_private_json,
+)
 from preload.preloadd.supervisor import Supervisor
 from preload.preloadd.weights import Loaded, LoadError, Progress, kept_manifest
+from preload.preloadd.zygote import Zygote
 
 log = logging.getLogger("preload.daemon")
 
@@ -74,8 +84,10 @@ def last_line(path: Path) -> str:
 
 
 class Daemon:
-    def __init__(self, opts: DaemonOptions):
+    def __init__(self, opts: DaemonOptions, zygote: Zygote | None = None):
+        """`zygote`: the first zygote, launched already (zygote.launch_early), for the supervisor."""
         self.opts, self.r = opts, Resolved.of(opts)
+        self.early_zygote = zygote
         self.state = "starting"
         self.error: str | None = None
         self.progress = Progress()
@@ -211,7 +223,7 @@ class Daemon:
                 # The workers' metrics, one file per process, read together by every /metrics
                 # (worker/api/metrics.py); a killed daemon's are stale, but not those of the
                 # workers it left, which this daemon takes over.
-                metrics_dir = o.state_dir / "metrics"
+                metrics_dir = o.state_dir / METRICS_DIR
                 metrics_dir.mkdir(mode=0o700, exist_ok=True)
                 for f in metrics_dir.iterdir():
                     pid = f.stem.rpartition("_")[2]
@@ -221,7 +233,7 @@ class Daemon:
                 self.metrics.read_workers(metrics_dir)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
-                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for)
+                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote)
                 self.supervisor.prepare()  # the zygote imports while we load
             self._load(notify, kept, copying)
             if self.keeper is not None and self._keeper_stale:

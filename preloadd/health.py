@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's: where the workers write their series
+from preload.preloadd.state_dir import MULTIPROC_ENV
 
 
 class DaemonMetrics:

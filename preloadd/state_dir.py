@@ -19,6 +19,8 @@ class StateDirError(RuntimeError):
 
 
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
+METRICS_DIR = "metrics"  # in the state dir: the workers' metrics, one file per process
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's: where the workers write their series
 
 
 def prepare_state_dir(path: Path, others_allowed: bool, what: str = "state dir") -> None:

@@ -47,13 +47,13 @@ class Supervisor:
     run old and new side by side."""
 
     def __init__(self, opts: DaemonOptions, serve: ServeOptions, spares: int, listen: socket.socket,
-                 room_for: Callable[[int], bool] = lambda kv_bytes: True):
+                 room_for: Callable[[int], bool] = lambda kv_bytes: True, zygote: zyg.Zygote | None = None):
         self.opts, self.spares, self.listen, self.room_for = opts, spares, listen, room_for
         self.spec = zyg.worker_spec(serve)
         self.workers: dict[int, Worker] = {}  # by pid
         self.slots = [Slot() for _ in range(opts.workers)]
         self.spare_pool = Slot()  # restarts and backoff of the spares
-        self.zygotes = zyg.Zygotes(self.spec, listen.fileno()) if opts.zygote else None
+        self.zygotes = zyg.Zygotes(self.spec, listen.fileno(), opts.state_dir, zygote) if opts.zygote else None
         self.rolling: RollingRestart | None = None
         self.adoption: Adoption | None = None
         self._restart_queued = False

@@ -12,10 +12,15 @@ worker is to serve (at once, or later for a spare); the worker reports on it (wa
 ready, heartbeats). See worker/link.py for the messages.
 
 Protocol on the zygote's own SOCK_SEQPACKET socketpair (one JSON message each way):
+  daemon -> zygote  {"spec": ..., "env": {...}} + the API's listening socket (SCM_RIGHTS),
+                    once: what every worker is started with; read after the imports
+  zygote -> daemon  {"ready": true, ...} once its imports are done and it has the spec
   daemon -> zygote  {"slot": k} or {"slot": null}    fork a worker for slot k, or a spare
   zygote -> daemon  {"pid": p} + the daemon's end of the worker's link (SCM_RIGHTS)
-The zygote sends {"ready": true} once its imports are done; it exits when the daemon
-closes its end.
+It exits when the daemon closes its end. The spec comes apart from the launch so that a
+cold start's first zygote can be launched before the daemon has imported, bound its
+ports or planned its load (cli/start.py): its imports are the longest wait of a worker
+on a cold start (6 s on an H200 host, longer than reading V2-Lite's files).
 
 This module is the one place in preloadd/ that runs worker code (in the zygote and the
 processes it forks, never in the daemon).
@@ -38,12 +43,14 @@ from pathlib import Path
 
 from preload.ipc.protocol import log_output_to
 from preload.options import ServeOptions, from_json, to_json
+from preload.preloadd.state_dir import METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_CODE = ("kernels", "checkpoint", "ipc", "preloadd", "worker")  # what a forked worker runs
 FORK_TIMEOUT = 10.0
 CODE_CHECK_INTERVAL = 2.0  # seconds between looks at whether the installed code changed
+WORKER_ENV = ("TRITON_CACHE_DIR", MULTIPROC_ENV)  # set by the daemon for its workers (daemon.py)
 
 log = logging.getLogger("preload.daemon")  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
 
@@ -134,15 +141,18 @@ def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.so
 def main() -> None:
     from setproctitle import setproctitle
 
-    spec = json.loads(sys.argv[1])
-    setproctitle(f"preload zygote --state-dir {spec['serve']['state_dir']}")
-    listen_fd, control_fd = int(sys.argv[2]), int(sys.argv[3])
-    control = socket.socket(fileno=control_fd)
+    state_dir, control = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+    setproctitle(f"preload zygote --state-dir {state_dir}")
     _preload_imports()
     # What the imports built lives as long as we do: out of the collector's sight, a
     # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
     gc.freeze()
     try:
+        msg, fds = receive(control)
+        if msg is None:  # the daemon closed its end before it got as far as its workers
+            return
+        spec, [listen_fd] = msg["spec"], fds
+        os.environ.update(msg["env"])
         send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
         while True:
             msg, _ = receive(control)
@@ -169,6 +179,13 @@ def code_version() -> str:
 
 
 
+def launch_early(state_dir: Path) -> Zygote:
+    """A cold start's first zygote, launched before the daemon imports anything heavy
+    (cli/start.py). Its workers' metrics dir goes into its environment now:
+    prometheus-client decides at its import whether it writes its series to files."""
+    return Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)})
+
+
 def worker_spec(serve: ServeOptions) -> dict:
     """What every worker is started with (its slot is added per worker)."""
     return {"serve": to_json(serve)}
@@ -176,18 +193,30 @@ def worker_spec(serve: ServeOptions) -> dict:
 
 class Zygote:
     """The daemon's handle on a zygote process. It is launched at once and spends
-    seconds importing; its `sock` becomes readable when it is ready (`accept_ready`)."""
+    seconds importing; `configure` gives it what its workers start with; its `sock`
+    becomes readable when it is ready (`accept_ready`). `env`: set in its environment
+    before its imports (the daemon's own, if it has set them already, is inherited)."""
 
-    def __init__(self, spec: dict, listen_fd: int, version: str):
+    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [sys.executable, "-m", "preload.preloadd.zygote", json.dumps(spec), str(listen_fd), str(theirs.fileno())]
-        self.proc = subprocess.Popen(cmd, pass_fds=(listen_fd, theirs.fileno()))
-        theirs.close()
+        cmd = [sys.executable, "-m", "preload.preloadd.zygote", str(state_dir), str(theirs.fileno())]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=os.environ | (env or {}))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.sock = ours
         self.pidfd = os.pidfd_open(self.proc.pid)  # readable once it has exited
         self.version = version  # of the code it imported
         self.ready = False
         self.launched, self.ready_at = time.monotonic(), 0.0
+
+    def configure(self, spec: dict, listen_fd: int) -> None:
+        """What every worker is started with, and the environment they need (WORKER_ENV,
+        as the daemon has it now): queued in the socket until the imports are done."""
+        send(self.sock, {"spec": spec, "env": {k: os.environ[k] for k in WORKER_ENV if k in os.environ}}, [listen_fd])
 
     @property
     def pid(self) -> int:
@@ -228,6 +257,14 @@ class Zygote:
             os.close(self.pidfd)
             self.pidfd = -1
 
+    def discard(self) -> None:
+        """Kill, reap and close it, unless that was done already: a zygote launched for a
+        start that failed before its supervisor took it over."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.close()
+
 
 class Zygotes:
     """The daemon's zygotes: the one that forks (`ready`), a new one importing
@@ -235,8 +272,9 @@ class Zygotes:
     and old ones exiting (`retired`). Driven by the supervisor's loop: each zygote's
     pidfd and a pending one's socket are registered with the loop's selector."""
 
-    def __init__(self, spec: dict, listen_fd: int):
-        self.spec, self.listen_fd = spec, listen_fd
+    def __init__(self, spec: dict, listen_fd: int, state_dir: Path, early: Zygote | None = None):
+        self.spec, self.listen_fd, self.state_dir = spec, listen_fd, state_dir
+        self._early = early  # launched before the daemon had its spec (cli/start.py): the first to start
         self.ready: Zygote | None = None
         self.pending: Zygote | None = None
         self.retired: list[Zygote] = []
@@ -251,7 +289,9 @@ class Zygotes:
         return {z.pid for z in (self.ready, self.pending, *self.retired) if z is not None}
 
     def start(self, sel: selectors.BaseSelector) -> None:
-        z = self.pending = Zygote(self.spec, self.listen_fd, code_version())
+        z, self._early = self._early or Zygote(self.state_dir, code_version()), None
+        z.configure(self.spec, self.listen_fd)
+        self.pending = z
         sel.register(z.pidfd, selectors.EVENT_READ, lambda: self._exited(sel, z))
         sel.register(z.sock, selectors.EVENT_READ, lambda: self._ready(sel, z))
 
@@ -285,9 +325,13 @@ class Zygotes:
         return self.pending is None and self.ready is not None
 
     def stop(self) -> None:
+        if self._early is not None:  # never started: the daemon stopped before its supervisor did
+            self._early.discard()
         for z in (self.ready, self.pending, *self.retired):
             if z is not None:
                 z.retire()
+                if z is self.pending:  # still importing, or just done: it has forked nothing
+                    z.proc.kill()
                 try:
                     z.proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:  # a zygote that does not exit on EOF is killed

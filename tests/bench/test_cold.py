@@ -1,6 +1,6 @@
 """`preload bench cold` with workers says where the first worker's start went: the lines
-of the daemon's and worker 0's logs that time it (loading, loaded, the zygote's imports
-done, worker started, weights attached, first step, KV cache, ready), from a real `preload start --workers 1`,
+of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
+loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready), from a real `preload start --workers 1`,
 in time order, kept in the JSON and printed under the table."""
 
 from __future__ import annotations
@@ -13,15 +13,18 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     run = cold.run_start(BUNDLED_MODEL, "none", "cpu", workers=1)
     phrases = [p for phrases in cold.START_LINES.values() for p in phrases]
     found = {phrase: [line for line in run.worker_log if phrase in line] for phrase in phrases}
-    for phrase in ("loading ", "zygote ready", "worker 0 started", "weights attached in", "first step", "KV cache",
+    for phrase in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started", "weights attached in", "first step", "KV cache",
                    "worker 0 ready"):
         assert len(found[phrase]) == 1, (phrase, run.worker_log)  # (graphs are captured on a GPU only)
     assert len(found["ready in"]) == 2, run.worker_log  # the daemon's load, then the worker
     assert run.worker_log == sorted(run.worker_log)
     order = [next(i for i, line in enumerate(run.worker_log) if p in line)
-             for p in ("loading ", "zygote ready", "worker 0 started", "weights attached in", "worker 0 ready")]
+             for p in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started",
+                       "weights attached in", "worker 0 ready")]
     assert order == sorted(order), run.worker_log
     assert run.start_to_ready_s > 0 and run.load_seconds > 0
+    assert 0 < run.first_request_s < 60, run.first_request_s  # (served: a failed request raises)
 
     summary = cold.summarize_starts([run], warm_s=1.0, first_s=1.0)
     assert summary["worker_log"] == run.worker_log
+    assert summary["first_request_s"]["p50"] == run.first_request_s

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -407,6 +409,39 @@ def test_zygote_death_workers_keep_serving_and_it_comes_back(tiny_checkpoint, tm
         complete(port)
         assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
         assert zombies(d.pid) == []
+
+
+def test_a_cold_starts_zygote_imports_while_the_daemon_itself_starts(tiny_checkpoint, tmp_path):
+    """The first zygote is launched before the daemon imports its own modules, binds its
+    ports and plans its load (cli/start.py): its imports, a first worker's longest wait on a
+    cold start, overlap all of that as well as the load."""
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        [z] = zygotes(d)
+        lines = (d.state_dir / "daemon.log").read_text().splitlines()
+        launched = [i for i, line in enumerate(lines) if f"zygote launched (pid {z.pid})" in line]
+        opened = [i for i, line in enumerate(lines) if " INFO health port " in line]
+        assert len(launched) == len(opened) == 1 and launched[0] < opened[0], lines
+        assert any(re.search(rf"zygote ready \(pid {z.pid}\) [0-9.]+ s after its launch", line) for line in lines), lines
+        complete(port)
+
+
+def test_a_start_that_fails_before_its_workers_leaves_no_zygote(tiny_checkpoint, tmp_path):
+    """A zygote launched for a start that then fails (its health port taken) is killed and
+    reaped with it, not left to finish its imports."""
+    state_dir = tmp_path / "state"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = preload("start", "--model", tiny_checkpoint, "--state-dir", state_dir, "--health-port",
+                    taken.getsockname()[1], *start_args(free_port()))
+    try:
+        assert r.returncode != 0 and "in use" in r.stderr.lower(), r.stderr
+        # (the daemon reports its failure, then reaps the zygote: a moment; its imports alone take seconds)
+        assert wait_for(lambda: not processes_naming(state_dir), timeout=1.0), processes_naming(state_dir)
+    finally:
+        for p in processes_naming(state_dir):
+            p.kill()
 
 
 def test_without_zygote_workers_are_fresh_processes_and_still_replaced(tiny_checkpoint, tmp_path):
