@@ -43,7 +43,13 @@ from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
 
 log = logging.getLogger("preload.worker")
 
-WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up token needs one
+WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up prompt needs one
+# Two tokens: a prompt's step, which runs eagerly and loads the kernels a first request's
+# prompt needs. (One token would be a decode step, replayed in a graph: on a lazy start it
+# captures the batch-1 graph instead, which the idle engine does anyway once ready. H200,
+# V2-Lite: a first request of 32 tokens took 0.16 s after this warm-up, 0.22 s after the
+# one-token one, and the worker was ready as soon: results/cold-v2lite-w1-early-zygote-*.)
+WARM_UP_PROMPT = [0, 0]
 
 
 def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
@@ -127,7 +133,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
     async def warm_up() -> None:
-        async for _ in engine.submit(Sequence([0], SamplingParams(max_tokens=1))):
+        async for _ in engine.submit(Sequence(WARM_UP_PROMPT, SamplingParams(max_tokens=1))):
             pass
         mark_ready(state)
 
@@ -153,7 +159,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     gc.freeze()
     if link is not None:
         t = time.monotonic()
-        llm.generate([[0]], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
+        llm.generate([WARM_UP_PROMPT], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
         log.info("first step (its kernels loaded, compiled if new) in %.3f s", time.monotonic() - t)
         link.report("warm")
         slot = link.wait_for_slot()
