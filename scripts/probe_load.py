@@ -1,12 +1,15 @@
 """Where a cold load's time can go, piece by piece, on one checkpoint's files (page cache
 warm): `cat`; mapping the pages in (MADV_POPULATE_READ) from one thread and from many;
-BLAKE3 over the mapped bytes; the bf16 finiteness check; and on a GPU the copy to the
+BLAKE3 over the mapped bytes; the bf16 finiteness check; writing a host-memory arena (a
+memfd: its pages allocated, then written, as preloadd/copy_loader.py does, and the sum of
+those passes, the floor of a hashed, checked private copy); and on a GPU the copy to the
 device from the file's mapping (pageable, on the default stream or a stream per thread)
 and from the same mapping registered with the driver (pinned in place, no staging copy).
 
     python3 scripts/probe_load.py DIR [THREADS]   (preload importable; the GPU parts need CUDA)
 
-Figures from the H200 are in results/probe-load-h200.json.
+Figures from the H200 are in results/probe-load-h200.json, from the 2-core CPU machine in
+results/probe-load-mini-cpu.json.
 """
 
 import json
@@ -22,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from blake3 import blake3
 
+from preload.checkpoint.finite import all_finite
+from preload.checkpoint.identity import CHUNK_BYTES
 from preload.checkpoint.pages import populate
 
 CHUNK = 64 << 20
@@ -63,10 +68,11 @@ def main(model_dir: Path, threads: int) -> None:
         timed(f"blake3, {threads} threads (pages mapped)", results,
               lambda: list(pool.map(lambda p: blake3(memoryview(maps[p[0]])[p[1]: p[1] + p[2]]).digest(), pieces)))
 
-        def finite(p) -> bool:
-            a = np.frombuffer(maps[p[0]], dtype=np.uint16, count=p[2] // 2, offset=p[1] - p[1] % 2)
-            return not ((a & 0x7F80) == 0x7F80).any()
+        def finite(p) -> bool:  # as the loader checks: CHUNK_BYTES at a time
+            piece = memoryview(maps[p[0]])[p[1] - p[1] % 2: p[1] + p[2] - p[2] % 2]
+            return all(all_finite("bfloat16", piece[at: at + CHUNK_BYTES]) for at in range(0, len(piece), CHUNK_BYTES))
         timed(f"bf16 finite (numpy), {threads} threads", results, lambda: list(pool.map(finite, pieces)))
+        memfd(maps, pieces, pool, threads, results)
         for m in maps:
             m.close()
         maps = mapped()
@@ -93,6 +99,26 @@ def main(model_dir: Path, threads: int) -> None:
     out = os.environ.get("OUT")
     if out:
         Path(out, "probe-load.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def memfd(maps: list[mmap.mmap], pieces, pool, threads: int, results: dict) -> None:
+    """The memfd arena's two passes: its pages allocated (fallocate, as MemfdArena's thread
+    does ahead of the writes), then the bytes written (pwrite) from the files' mappings."""
+    starts = [sum(len(m) for m in maps[:i]) for i in range(len(maps))]
+    fd = os.memfd_create("probe-arena", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, sum(len(m) for m in maps))
+        timed("memfd: allocate every page (fallocate)", results, lambda: os.posix_fallocate(fd, 0, os.fstat(fd).st_size))
+        timed(f"memfd: pwrite, {threads} threads", results,
+              lambda: list(pool.map(lambda p: os.pwrite(fd, memoryview(maps[p[0]])[p[1]: p[1] + p[2]], starts[p[0]] + p[1]),
+                                    pieces)))
+    finally:
+        os.close(fd)
+    passes = (f"blake3, {threads} threads (pages mapped)", f"bf16 finite (numpy), {threads} threads",
+              "memfd: allocate every page (fallocate)", f"memfd: pwrite, {threads} threads")
+    results["host arena floor: the passes sum"] = round(sum(results[k] for k in passes), 3)
+    print(f"{'host arena floor: the passes sum':50s} {results['host arena floor: the passes sum']:8.3f} s"
+          f" = {results['host arena floor: the passes sum'] / results['cat']:.2f}x cat", flush=True)
 
 
 _ADDR: dict[int, int] = {}
