@@ -233,7 +233,7 @@ class Daemon:
                 self.metrics.read_workers(metrics_dir)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
-                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote)
+                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu")
                 self.supervisor.prepare()  # the zygote imports while we load
             self._load(notify, kept, copying)
             if self.keeper is not None and self._keeper_stale:

@@ -44,12 +44,14 @@ class Supervisor:
     A spare has attached, warmed up and waits for a slot; when a worker dies the spare
     takes its slot at once, and a new spare warms up. `room_for(kv_bytes)` says whether
     the device has room for one more KV cache of that size, so that a rolling restart can
-    run old and new side by side."""
+    run old and new side by side. `zygote`: the first zygote, launched already
+    (zygote.launch_early); `gpu`: the workers run on a GPU (their zygote imports Triton)."""
 
     def __init__(self, opts: DaemonOptions, serve: ServeOptions, spares: int, listen: socket.socket,
-                 room_for: Callable[[int], bool] = lambda kv_bytes: True, zygote: zyg.Zygote | None = None):
+                 room_for: Callable[[int], bool] = lambda kv_bytes: True, zygote: zyg.Zygote | None = None,
+                 gpu: bool = False):
         self.opts, self.spares, self.listen, self.room_for = opts, spares, listen, room_for
-        self.spec = zyg.worker_spec(serve)
+        self.spec = zyg.worker_spec(serve, gpu)
         self.workers: dict[int, Worker] = {}  # by pid
         self.slots = [Slot() for _ in range(opts.workers)]
         self.spare_pool = Slot()  # restarts and backoff of the spares

@@ -14,6 +14,7 @@ ready, heartbeats). See worker/link.py for the messages.
 Protocol on the zygote's own SOCK_SEQPACKET socketpair (one JSON message each way):
   daemon -> zygote  {"spec": ..., "env": {...}} + the API's listening socket (SCM_RIGHTS),
                     once: what every worker is started with; read after the imports
+                    (for GPU workers the zygote then imports their Triton kernels too)
   zygote -> daemon  {"ready": true, ...} once its imports are done and it has the spec
   daemon -> zygote  {"slot": k} or {"slot": null}    fork a worker for slot k, or a spare
   zygote -> daemon  {"pid": p} + the daemon's end of the worker's link (SCM_RIGHTS)
@@ -42,6 +43,7 @@ import traceback
 from pathlib import Path
 
 from preload.ipc.protocol import log_output_to
+from preload.kernels import import_triton_kernels
 from preload.options import ServeOptions, from_json, to_json
 from preload.preloadd.state_dir import METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
@@ -144,15 +146,17 @@ def main() -> None:
     state_dir, control = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
     setproctitle(f"preload zygote --state-dir {state_dir}")
     _preload_imports()
-    # What the imports built lives as long as we do: out of the collector's sight, a
-    # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
-    gc.freeze()
     try:
         msg, fds = receive(control)
         if msg is None:  # the daemon closed its end before it got as far as its workers
             return
         spec, [listen_fd] = msg["spec"], fds
         os.environ.update(msg["env"])
+        if spec.get("gpu"):
+            import_triton_kernels()  # (what a GPU worker's first step would import: kernels/__init__.py)
+        # What the imports built lives as long as we do: out of the collector's sight, a
+        # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
+        gc.freeze()
         send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
         while True:
             msg, _ = receive(control)
@@ -186,9 +190,10 @@ def launch_early(state_dir: Path) -> Zygote:
     return Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)})
 
 
-def worker_spec(serve: ServeOptions) -> dict:
-    """What every worker is started with (its slot is added per worker)."""
-    return {"serve": to_json(serve)}
+def worker_spec(serve: ServeOptions, gpu: bool = False) -> dict:
+    """What every worker is started with (its slot is added per worker); `gpu`: the
+    workers run on a GPU, and the zygote imports their Triton kernels ahead."""
+    return {"serve": to_json(serve), "gpu": gpu}
 
 
 class Zygote:
