@@ -31,7 +31,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 
 from preload.bench.driver import free_port, preload, running_daemon
@@ -205,6 +204,8 @@ FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a 
 def first_request(port: int) -> float:
     """Seconds the first request to a worker just ready takes: 32 prompt tokens, 4 out. What
     a start leaves to its first request (kernels no step of the start ran) shows here."""
+    import httpx  # (the bench extra's: a start without workers needs none)
+
     t = time.perf_counter()
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                    json={"prompt": FIRST_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
