@@ -84,6 +84,7 @@ class Supervisor:
             self._sel.register(adoption.listener, selectors.EVENT_READ, self._take_orphan)
         self._publish()
         self._thread.start()
+        self._wake()  # its first turn starts the workers now, not after a turn's wait for events
 
     def wait_started(self, timeout: float) -> str | None:
         """Wait until every slot has a ready worker: None, or why that will not happen."""
@@ -118,6 +119,9 @@ class Supervisor:
 
     def _request(self, item: tuple) -> None:
         self._requests.put(item)
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
