@@ -10,8 +10,8 @@ import socket
 
 import pytest
 
-from preload.options import ServeOptions, to_json
-from preload.preloadd.zygote import Zygote, code_version
+from preload.options import ServeOptions
+from preload.preloadd.zygote import Zygote, code_version, worker_spec
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu-workers", "cuda-workers"])
@@ -21,7 +21,7 @@ def test_a_zygote_for_gpu_workers_has_triton_loaded_before_it_is_ready(tmp_path,
         api.listen()
         z = Zygote(tmp_path, code_version())
         try:
-            z.configure({"serve": to_json(ServeOptions(state_dir=tmp_path)), "gpu": gpu}, api.fileno())
+            z.configure(worker_spec(ServeOptions(state_dir=tmp_path), gpu), api.fileno())
             with selectors.DefaultSelector() as sel:
                 sel.register(z.sock, selectors.EVENT_READ)
                 assert sel.select(timeout=120), "the zygote did not get ready"
