@@ -21,8 +21,8 @@ import click
 
 from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
-from preload.ipc import protocol
-from preload.ipc.devices import cuda_device_count
+from preload.ipc import fp8_device, protocol
+from preload.ipc.devices import cuda_device_count, ordinal
 from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
@@ -48,8 +48,6 @@ def start(foreground, **params):
 def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     if not (options.state_dir / KEEPER_SOCK).exists():  # (else a keeper likely holds the weights: no read follows)
         read_ahead(Path(options.model or BUNDLED_MODEL))  # first: the imports below take a second or more
-    if options.device != "cpu":  # the CUDA driver's start (0.2 s on an H200 host) overlaps them too
-        threading.Thread(target=cuda_device_count, name="cuinit", daemon=True).start()
     from setproctitle import setproctitle
 
     setproctitle(f"preload daemon --state-dir {options.state_dir}")  # what `ps` shows (its argv is JSON)
@@ -61,6 +59,8 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
         if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
             zygote = launch_early(options.state_dir)
             log.info("zygote launched (pid %d): its imports overlap the daemon's start and load", zygote.pid)
+        if options.device != "cpu":  # the CUDA driver's start (0.2 s on an H200 host) overlaps the imports too
+            threading.Thread(target=_start_cuda, args=(options,), name="cuinit", daemon=True).start()
         from preload.preloadd.daemon import Daemon  # torch and the rest: a broken install is a failed start too
 
         Daemon(options, zygote).run(notify)
@@ -77,6 +77,14 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     finally:
         if zygote is not None:
             zygote.discard()  # (reaped already, unless the start failed before its supervisor took it)
+
+
+def _start_cuda(options: DaemonOptions) -> None:
+    """The driver's start, and the fp8 kernel's compile (0.13 s on an H200 host) that the
+    load's plan would otherwise wait for: both beside the daemon's imports."""
+    cuda_device_count()
+    if options.quant == "fp8_block":
+        fp8_device.available(ordinal(options.device))
 
 
 def read_ahead(model_dir: Path) -> None:

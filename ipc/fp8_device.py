@@ -77,6 +77,7 @@ def _nvrtc_candidates() -> list[str]:
 
 
 _lock = threading.Lock()
+_compiling = threading.Lock()
 _nvrtc_lib: ctypes.CDLL | None = None
 
 
@@ -112,7 +113,8 @@ def available(ordinal: int) -> bool:
     except (OSError, RuntimeError):  # (no driver, no such GPU: the load says so)
         return False
     try:
-        _cubin(ordinal)
+        with _compiling:  # (a daemon's start compiles it in a thread beside its imports: cli/start.py)
+            _cubin(ordinal)
         return True
     except RuntimeError as e:
         log.warning("fp8 quantized with torch, not by our kernel: %s", e)

@@ -1,21 +1,33 @@
 """The model's arithmetic: a torch reference for each operation, and beside it the Triton
 kernel a GPU runs instead. The Triton modules are imported where they are first needed, so
 that the CPU path never imports Triton; a zygote that forks GPU workers imports them ahead
-(`import_triton_kernels`)."""
+(`triton_import_steps`)."""
 
 import importlib
+from collections.abc import Callable
 
 TRITON_MODULES = ("cache_write", "fp8_linear", "fused_moe", "fused_norm", "fused_rope", "fused_router", "head_matvec",
                   "mla_decode", "mla_prefill", "moe_align", "moe_decode", "split_k", "triton_dot")
 
 
-def import_triton_kernels() -> None:
+def triton_import_steps() -> list[Callable[[], object]]:
     """Import Triton and every kernel module, and have Triton hash its own installation (the
-    base of every kernel's cache key, computed once per process), all without touching CUDA:
-    done once in a zygote, no worker forked from it pays them at its first step (on the
-    H200 host 0.36 s of imports and 0.37 s of hashing; scripts/probe_worker_start.py)."""
-    for name in TRITON_MODULES:
-        importlib.import_module(f"{__name__}.{name}")
-    from triton.runtime.cache import triton_key
+    base of every kernel's cache key, computed once per process), all without touching CUDA,
+    as steps of a fraction of a second each: a zygote runs them while it has no fork to
+    serve, and no worker forked after them pays them at its first step (on the H200 host
+    0.36 s of imports and 0.37 s of hashing; scripts/probe_worker_start.py)."""
+    from functools import partial
 
-    triton_key()
+    def hash_triton() -> None:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+
+    return [partial(importlib.import_module, "triton"),
+            *(partial(importlib.import_module, f"{__name__}.{name}") for name in TRITON_MODULES), hash_triton]
+
+
+def import_triton_kernels() -> None:
+    """All of `triton_import_steps` at once."""
+    for step in triton_import_steps():
+        step()

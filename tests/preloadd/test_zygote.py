@@ -1,37 +1,122 @@
 """The zygote on its own (preloadd/zygote.py): launched with nothing but its state dir, it
-imports, then takes what its workers start with from the daemon's first message; for GPU
-workers it imports their Triton kernels before it says it is ready, for CPU workers it never
-loads Triton."""
+imports, then takes what its workers start with from the daemon's first message. It forks,
+so it has no threads. For GPU workers it imports their Triton kernels once it is ready, a
+step at a time while no fork request waits; for CPU workers it never loads Triton."""
 
 from __future__ import annotations
 
+import os
 import selectors
 import socket
+import time
 
 import pytest
 
 from preload.options import ServeOptions
-from preload.preloadd.zygote import Zygote, code_version, worker_spec
+from preload.preloadd.zygote import Zygote, code_version, next_request, send, worker_spec
+
+
+def ready_zygote(tmp_path, api: socket.socket, gpu: bool) -> Zygote:
+    z = Zygote(tmp_path, code_version())
+    z.configure(worker_spec(ServeOptions(state_dir=tmp_path), gpu), api.fileno())
+    with selectors.DefaultSelector() as sel:
+        sel.register(z.sock, selectors.EVENT_READ)
+        assert sel.select(timeout=120), "the zygote did not get ready"
+    assert z.accept_ready()
+    return z
+
+
+def mapped(pid: int, library: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return library in f.read()
+
+
+@pytest.fixture
+def api():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu-workers", "cuda-workers"])
-def test_a_zygote_for_gpu_workers_has_triton_loaded_before_it_is_ready(tmp_path, gpu):
-    with socket.socket() as api:
-        api.bind(("127.0.0.1", 0))
-        api.listen()
-        z = Zygote(tmp_path, code_version())
-        try:
-            z.configure(worker_spec(ServeOptions(state_dir=tmp_path), gpu), api.fileno())
-            with selectors.DefaultSelector() as sel:
-                sel.register(z.sock, selectors.EVENT_READ)
-                assert sel.select(timeout=120), "the zygote did not get ready"
-            assert z.accept_ready()
-            with open(f"/proc/{z.pid}/maps") as f:
-                libraries = f.read()
-            assert "libtorch" in libraries
-            assert ("libtriton" in libraries) == gpu
-            assert z.proc.poll() is None
-        finally:
-            z.retire()
-            assert z.proc.wait(timeout=30) == 0  # (it exits when its channel closes)
-            z.close()
+def test_a_zygote_for_gpu_workers_loads_triton_after_it_is_ready_and_one_for_cpu_workers_never(tmp_path, api, gpu):
+    z = ready_zygote(tmp_path, api, gpu)
+    try:
+        assert mapped(z.pid, "libtorch")
+        deadline = time.monotonic() + (120 if gpu else 1)
+        while not mapped(z.pid, "libtriton") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mapped(z.pid, "libtriton") == gpu
+        assert z.proc.poll() is None
+    finally:
+        z.retire()
+        assert z.proc.wait(timeout=30) == 0  # (it exits when its channel closes)
+        z.close()
+
+
+def test_a_ready_zygote_has_one_thread_though_numpy_starts_blas_threads_at_import(tmp_path, api):
+    z = ready_zygote(tmp_path, api, gpu=False)
+    try:
+        assert len(os.listdir(f"/proc/{z.pid}/task")) == 1
+        with open(f"/proc/{z.pid}/stat") as f:  # what Python 3.12 reads at a fork: the thread count is its 20th field
+            assert int(f.read().split(" ")[19]) == 1
+    finally:
+        z.retire()
+        z.proc.wait(timeout=30)
+        z.close()
+
+
+@pytest.fixture
+def channel():
+    daemon, zygote = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with daemon, zygote:
+        yield daemon, zygote
+
+
+def test_a_request_waiting_is_served_before_any_idle_work(channel):
+    daemon, zygote = channel
+    done = []
+    send(daemon, {"slot": 3})
+    work = [lambda: done.append(1), lambda: done.append(2)]
+    assert next_request(zygote, work) == ({"slot": 3}, [])
+    assert done == [] and len(work) == 2
+
+
+def test_idle_work_runs_a_step_at_a_time_until_a_request_comes(channel):
+    daemon, zygote = channel
+    done = []
+
+    def step(name: str, then_ask: bool = False):
+        def run():
+            done.append(name)
+            if then_ask:
+                send(daemon, {"slot": None})
+        return run
+
+    work = [step("a"), step("b", then_ask=True), step("c", then_ask=True)]
+    assert next_request(zygote, work) == ({"slot": None}, [])
+    assert done == ["a", "b"] and len(work) == 1  # the step after the request's arrival waits for the next idle time
+    assert next_request(zygote, work) == ({"slot": None}, [])
+    assert done == ["a", "b", "c"] and work == []
+
+
+def test_a_closed_channel_ends_the_wait_without_idle_work(channel):
+    daemon, zygote = channel
+    work = [lambda: pytest.fail("idle work after the daemon left")]
+    daemon.close()
+    assert next_request(zygote, work) == (None, [])
+
+
+def test_a_failed_step_ends_the_idle_work_and_not_the_zygote(channel, capfd):
+    daemon, zygote = channel
+    done = []
+
+    def fail():
+        send(daemon, {"slot": 0})
+        raise ImportError("no module named triton")
+
+    work = [fail, lambda: done.append("after")]
+    assert next_request(zygote, work) == ({"slot": 0}, [])
+    assert done == [] and work == []
+    assert "no module named triton" in capfd.readouterr().err
