@@ -26,8 +26,3 @@ def triton_import_steps() -> list[Callable[[], object]]:
     return [partial(importlib.import_module, "triton"),
             *(partial(importlib.import_module, f"{__name__}.{name}") for name in TRITON_MODULES), hash_triton]
 
-
-def import_triton_kernels() -> None:
-    """All of `triton_import_steps` at once."""
-    for step in triton_import_steps():
-        step()

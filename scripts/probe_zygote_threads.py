@@ -28,9 +28,10 @@ def child_threads() -> int:
 
 
 def triton_kernels() -> None:
-    from preload.kernels import import_triton_kernels
+    from preload.kernels import triton_import_steps
 
-    import_triton_kernels()
+    for step in triton_import_steps():
+        step()
 
 
 steps = [(m, lambda m=m: importlib.import_module(m)) for m in

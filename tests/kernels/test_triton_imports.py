@@ -13,10 +13,11 @@ import preload.kernels as kernels
 PROBE = """
 import sys
 import torch
-from preload.kernels import TRITON_MODULES, import_triton_kernels
+from preload.kernels import TRITON_MODULES, triton_import_steps
 from triton.runtime.cache import triton_key
 assert triton_key.cache_info().currsize == 0
-import_triton_kernels()
+for step in triton_import_steps():
+    step()
 assert all(f"preload.kernels.{name}" in sys.modules for name in TRITON_MODULES)
 assert triton_key.cache_info().currsize == 1, triton_key.cache_info()
 assert not torch.cuda.is_initialized()
