@@ -18,11 +18,15 @@ from preload.preloadd.zygote import Zygote, code_version, next_request, send, wo
 
 def ready_zygote(tmp_path, api: socket.socket, gpu: bool) -> Zygote:
     z = Zygote(tmp_path, code_version())
-    z.configure(worker_spec(ServeOptions(state_dir=tmp_path), gpu), api.fileno())
-    with selectors.DefaultSelector() as sel:
-        sel.register(z.sock, selectors.EVENT_READ)
-        assert sel.select(timeout=120), "the zygote did not get ready"
-    assert z.accept_ready()
+    try:
+        z.configure(worker_spec(ServeOptions(state_dir=tmp_path), gpu), api.fileno())
+        with selectors.DefaultSelector() as sel:
+            sel.register(z.sock, selectors.EVENT_READ)
+            assert sel.select(timeout=120), "the zygote did not get ready"
+        assert z.accept_ready()
+    except BaseException:
+        z.discard()
+        raise
     return z
 
 
