@@ -112,9 +112,16 @@ def available(ordinal: int) -> bool:
             return False
     except (OSError, RuntimeError):  # (no driver, no such GPU: the load says so)
         return False
+    with _compiling:  # (a daemon's start compiles it in a thread beside its imports: cli/start.py)
+        return _compiles(ordinal)
+
+
+@functools.cache
+def _compiles(ordinal: int) -> bool:
+    """Whether the kernel compiles for GPU `ordinal`: tried once per process, and a failure
+    said once in the log, whichever thread asks first."""
     try:
-        with _compiling:  # (a daemon's start compiles it in a thread beside its imports: cli/start.py)
-            _cubin(ordinal)
+        _cubin(ordinal)
         return True
     except RuntimeError as e:
         log.warning("fp8 quantized with torch, not by our kernel: %s", e)

@@ -25,4 +25,3 @@ def triton_import_steps() -> list[Callable[[], object]]:
 
     return [partial(importlib.import_module, "triton"),
             *(partial(importlib.import_module, f"{__name__}.{name}") for name in TRITON_MODULES), hash_triton]
-

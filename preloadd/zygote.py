@@ -212,7 +212,6 @@ def code_version() -> str:
     return h.hexdigest()
 
 
-
 def launch_early(state_dir: Path) -> Zygote:
     """A cold start's first zygote, launched before the daemon imports anything heavy
     (cli/start.py). Its workers' metrics dir goes into its environment now:
