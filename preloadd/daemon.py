@@ -169,7 +169,7 @@ class Daemon:
             "bytes_per_device": {r.device: self.loaded.arena.size if self.loaded else 0},
             "fingerprint": self.loaded.manifest.fingerprint if self.loaded else None,
             "readopted": self.readopted,
-            "keeper_pid": self.keeper.pid if self.keeper else None,
+            "keeper_pid": self.keeper.pid if self.keeper and not self.keeper.empty else None,
             "attached_workers": self.attached(),
             "uptime_s": round(time.time() - self.started, 3),
             "load_seconds": self.progress.seconds,
@@ -235,12 +235,16 @@ class Daemon:
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu")
                 self.supervisor.prepare()  # the zygote imports while we load
+            if kept is None and self._keeps():  # our own keeper: its interpreter starts beside the load
+                self.keeper = KeeperLink.spawn(o.state_dir)
             self._load(notify, kept, copying)
             if self.keeper is not None and self._keeper_stale:
                 self.keeper.release()  # it holds an API socket we no longer serve; ours hold the weights
                 self.keeper = None
-            if o.keeper and self.keeper is None and r.transport != "cuda-ipc":  # (IPC handles die with us)
-                self.keeper = KeeperLink.spawn(o.state_dir, Kept(self.manifest_wire, self.loaded.arena.fds(), api))
+            if self._keeps():
+                self.keeper = self.keeper or KeeperLink.spawn(o.state_dir)
+                if self.keeper.empty:
+                    self.keeper.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if self.supervisor:
                 self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.loaded.manifest.fingerprint,
@@ -284,6 +288,10 @@ class Daemon:
             if gpu_lock:
                 gpu_lock.release()
             lock.release()
+
+    def _keeps(self) -> bool:
+        """Whether a keeper holds the weights through a crash (cuda-ipc handles die with us)."""
+        return self.opts.keeper and self.r.transport != "cuda-ipc"
 
     def _listen(self, what: str, host: str, port: int) -> socket.socket:
         try:

@@ -1,8 +1,8 @@
 """The keeper: a small process, without CUDA or torch, that holds the weights' arena fds
 and the API listening socket so that they outlive the daemon.
 
-The daemon starts one after a load and hands it the arena's fds, the manifest and the
-API socket (over a socketpair, SCM_RIGHTS). While the daemon lives, that connection is
+The daemon starts one as its load begins and, once loaded, hands it the arena's fds, the
+manifest and the API socket (over a socketpair, SCM_RIGHTS). While the daemon lives, that connection is
 the keeper's owner; a clean stop sends {"op": "exit"} and the keeper exits, letting go
 of the weights. If the daemon dies instead, the connection just closes: the keeper keeps
 holding, and listens on <state dir>/keeper.sock (0600, our uid only) for the next daemon
@@ -77,35 +77,49 @@ class KeeperLink:
     """The daemon's connection to its keeper: the keeper holds on as long as this is open
     and exits when told to (`release`)."""
 
-    def __init__(self, sock: socket.socket, pid: int, handover: threading.Thread | None = None):
-        self.sock, self.pid, self._handover = sock, pid, handover
+    def __init__(self, sock: socket.socket, pid: int, empty: bool = False):
+        self.sock, self.pid = sock, pid
+        self.empty = empty  # spawned, not given the weights yet
+        self._handover: threading.Thread | None = None
         self._pidfd = os.pidfd_open(pid)  # (a keeper taken over is not our child: its pidfd says when it is gone)
 
     @classmethod
-    def spawn(cls, state_dir: Path, kept: Kept) -> KeeperLink:
-        """Start a keeper for `kept` (the caller keeps its own fds). The handover runs in a
-        thread: the daemon does not wait for the keeper's interpreter to start."""
+    def spawn(cls, state_dir: Path) -> KeeperLink:
+        """Start a keeper, to be given the weights once they are loaded (`give`): launched
+        before the load, its interpreter's start (0.15 s on the 2-core CPU machine) is no
+        longer a wait between the load and ready."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         import subprocess
 
-        with os.fdopen(open_log(Path(state_dir) / "keeper.log"), "ab", buffering=0) as out:
-            proc = subprocess.Popen([sys.executable, "-m", "preload.preloadd.keeper", str(state_dir), str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    start_new_session=True)  # not in the daemon's process group: a ^C is the daemon's
-        theirs.close()
+        try:
+            with os.fdopen(open_log(Path(state_dir) / "keeper.log"), "ab", buffering=0) as out:
+                proc = subprocess.Popen([sys.executable, "-m", "preload.preloadd.keeper", str(state_dir),
+                                         str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=out,
+                                        start_new_session=True)  # not in the daemon's process group: a ^C is the daemon's
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return cls(ours, proc.pid, empty=True)
+
+    def give(self, kept: Kept) -> None:
+        """Hand `kept` to a keeper we spawned (the caller keeps its own fds), in a thread:
+        `wait_kept` says when it holds them."""
+        self.empty = False
 
         def handover() -> None:
             try:
-                ours.settimeout(HANDOVER_TIMEOUT)
-                _send(ours, kept, op="keep")
-                ours.recv(1)  # its listening socket is bound
-                ours.settimeout(None)
+                self.sock.settimeout(HANDOVER_TIMEOUT)
+                _send(self.sock, kept, op="keep")
+                self.sock.recv(1)  # its listening socket is bound
+                self.sock.settimeout(None)
             except OSError as e:
-                log.error("the keeper (pid %d) did not take the weights: %s; a crash of this daemon loses them", proc.pid, e)
+                log.error("the keeper (pid %d) did not take the weights: %s; a crash of this daemon loses them", self.pid, e)
 
-        thread = threading.Thread(target=handover, name="keeper-handover", daemon=True)
-        thread.start()
-        return cls(ours, proc.pid, thread)
+        self._handover = threading.Thread(target=handover, name="keeper-handover", daemon=True)
+        self._handover.start()
 
     def wait_kept(self) -> None:
         """Until the keeper holds what it was given (a daemon is crash-safe from then on)."""
@@ -113,10 +127,12 @@ class KeeperLink:
             self._handover.join(HANDOVER_TIMEOUT)
 
     def release(self) -> None:
-        """Tell the keeper to let go and exit (a clean stop)."""
+        """Tell the keeper to let go and exit (a clean stop; one never given the weights
+        exits when its socket closes)."""
         self.wait_kept()
         try:
-            send_with_fds(self.sock, {"op": "exit"}, [])
+            if not self.empty:
+                send_with_fds(self.sock, {"op": "exit"}, [])
         except OSError:
             pass  # gone already
         self.sock.close()
@@ -241,13 +257,15 @@ def main(argv: list[str]) -> int:
     except ImportError:
         pass
     owner = socket.socket(fileno=fd)
-    owner.settimeout(HANDOVER_TIMEOUT)
+    # (No timeout: the daemon spawns us before its load, which may take minutes.)
     try:
+        if not owner.recv(1, socket.MSG_PEEK):
+            log.info("the daemon stopped before it had weights to keep; exiting")
+            return 0
         kept = _receive(owner)
     except (OSError, ProtocolError) as e:
         log.error("no weights handed over: %s", e)
         return 1
-    owner.settimeout(None)
     log.info("holding %d arena fds%s for %s", len(kept.arena_fds), " and the API socket" if kept.api else "", state_dir)
     _serve(state_dir, owner, kept)
     return 0

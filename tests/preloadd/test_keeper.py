@@ -7,6 +7,7 @@ orphans instead. A clean stop leaves nothing."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import subprocess
@@ -161,3 +162,24 @@ def test_the_daemon_imports_no_torch():
     code = "import sys, preload.preloadd.daemon; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_keeper_spawned_before_the_load_leaves_nothing_if_the_daemon_ends_first(tmp_path):
+    """A daemon spawns its keeper as its load begins (the keeper's interpreter starts beside
+    the load, not after it) and gives it the weights once loaded. Stopped before that, or
+    killed (its end of the socket closes), the daemon leaves no keeper: it exits 0, having
+    bound no socket and held nothing."""
+    from preload.preloadd.keeper import KEEPER_SOCK, KeeperLink
+
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    stopped = KeeperLink.spawn(state_dir)
+    stopped.release()  # a clean stop during the load
+    assert dead(stopped.pid)
+    killed = KeeperLink.spawn(state_dir)
+    killed.sock.close()  # what the kernel does for a daemon SIGKILLed during its load
+    _, status = os.waitpid(killed.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (state_dir / KEEPER_SOCK).exists()
+    log = (state_dir / "keeper.log").read_text()
+    assert log.count("the daemon stopped before it had weights to keep") == 2, log
