@@ -87,7 +87,10 @@ class Supervisor:
         self._wake()  # its first turn starts the workers now, not after a turn's wait for events
 
     def wait_started(self, timeout: float) -> str | None:
-        """Wait until every slot has a ready worker: None, or why that will not happen."""
+        """Wait until every slot has a ready worker: None, or why that will not happen. A
+        worker's `timeout` counts from its own start (one not ready by then is killed as hung,
+        `_check_liveness`, and that fails the start); before it, a worker waits for the
+        zygote's imports, seconds of a cold start, which get a `timeout` of their own."""
         deadline = time.monotonic() + timeout
         with self._published:
             while True:
@@ -100,9 +103,9 @@ class Supervisor:
                 if all(w["state"] == "ready" for w in s["workers"]):
                     return None
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return f"workers not ready within {timeout:.0f} s"
-                self._published.wait(left)
+                if left <= 0 and not all(w["pid"] for w in s["workers"]):
+                    return f"workers not started within {timeout:.0f} s"
+                self._published.wait(max(left, 0.5))
 
     def restart(self, now: bool) -> None:
         self._request(("restart", now))
