@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from preload.preloadd.zygote import compiles_from_source
+
 MiB = 2**20
 
 
@@ -31,6 +33,8 @@ def host_info() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch,
+        # (every fresh interpreter then compiles torch again: seconds of each cold start)
+        "torch_compiled_from_source": compiles_from_source(),
     }
 
 

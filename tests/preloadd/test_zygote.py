@@ -124,3 +124,29 @@ def test_a_failed_step_ends_the_idle_work_and_not_the_zygote(channel, capfd):
     assert next_request(zygote, work) == ({"slot": 0}, [])
     assert done == [] and work == []
     assert "no module named triton" in capfd.readouterr().err
+
+
+def test_a_python_that_compiles_torch_at_every_import_is_noticed(tmp_path):
+    """Where a package has no cached bytecode and Python writes none (PYTHONDONTWRITEBYTECODE,
+    as on the H200 machine's image), every zygote compiles torch's 2,000 modules again:
+    seconds of each cold start. The daemon says so in its log, and `bench cold` in its
+    machine line; a package compiled once (`compileall`), or a Python that caches what
+    it compiles, is not reported."""
+    import compileall
+    import subprocess
+    import sys
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("x = 1\n")
+    code = "from preload.preloadd.zygote import compiles_from_source; print(compiles_from_source('pkg'))"
+
+    def reported(*flags: str) -> str:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        return subprocess.run([sys.executable, *flags, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert reported("-B") == "True"  # -B: writes no bytecode
+    assert reported() == "False"  # it will cache what it compiles
+    assert compileall.compile_dir(tmp_path / "pkg", quiet=1)
+    assert reported("-B") == "False"
