@@ -31,8 +31,7 @@ if TYPE_CHECKING:  # (imported where tensors are read: a daemon that re-adopts c
 
 AUX_FILES = ("config.json", *TOKENIZER_FILES)
 FORMAT = 2  # of digests, records and fingerprints
-PARALLEL_BYTES = 1 << 22  # a tensor this large is hashed by several threads (BLAKE3's tree)
-CHUNK_BYTES = 1 << 23  # hashed at a time: large enough for BLAKE3's threads, small enough to stay in the cache
+CHUNK_BYTES = 1 << 23  # hashed at a time (1 MiB chunks loaded V2-Lite on the H200 2.8x slower: per-chunk costs)
 
 
 class IdentityError(ValueError):
@@ -44,8 +43,12 @@ def digest(parts: list[tuple[str, memoryview]], visit: Callable[[int, int, memor
     for native FP8 their block scales. Hashed CHUNK_BYTES at a time; each chunk, just
     hashed and still in the cache, goes to `visit(part, first byte, chunk)`: what else
     must read every byte (the loader's finiteness check and write) then costs no second
-    pass over memory. Chunking does not change the digest."""
-    h = blake3(max_threads=blake3.AUTO if sum(len(data) for _, data in parts) >= PARALLEL_BYTES else 1)
+    pass over memory. Chunking does not change the digest. One thread hashes: the loaders
+    run one per core, each on its own tensors; BLAKE3's own threads beside them (a tensor of
+    4 MiB or more was hashed by all cores) made the H200 load V2-Lite in 4.05 s against 3.06
+    s (results/cold-v2lite-hash-*-h200.json); likely each chunk was then checked and copied
+    from other cores' caches."""
+    h = blake3(max_threads=1)
     for index, (description, data) in enumerate(parts):
         h.update(description.encode())
         for at in range(0, len(data), CHUNK_BYTES):
