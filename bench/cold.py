@@ -37,6 +37,7 @@ from preload.bench.driver import free_port, preload, running_daemon
 from preload.bench.gpu import Gpu
 from preload.bench.memory import proc_memory
 from preload.bench.results import MiB, begin, finish, quantiles, row
+from preload.preloadd.state_dir import KERNEL_CACHE_ENV
 
 POLL_S = 0.02
 READ_BUFFER = 64 * MiB
@@ -281,8 +282,8 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
     # kernels into a cache of this run's own (kernel_cache_dir), empty at first: the first
     # start compiles them all, as a machine's first start does, and is kept apart.
     with tempfile.TemporaryDirectory(prefix="preload-bench-kernels-") as kernels:
-        saved = os.environ.get("TRITON_CACHE_DIR")
-        os.environ["TRITON_CACHE_DIR"] = kernels
+        saved = os.environ.get(KERNEL_CACHE_ENV)
+        os.environ[KERNEL_CACHE_ENV] = kernels
         try:
             if workers:  # (each quant mode has kernels of its own)
                 result["first_start"] = {}
@@ -304,9 +305,9 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
                 starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
         finally:
             if saved is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
+                os.environ.pop(KERNEL_CACHE_ENV, None)
             else:
-                os.environ["TRITON_CACHE_DIR"] = saved
+                os.environ[KERNEL_CACHE_ENV] = saved
     result["start"] = starts
     if transformers:
         runs = []

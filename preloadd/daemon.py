@@ -34,6 +34,7 @@ from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
 from preload.preloadd.state_dir import (
     DAEMON_FILE,
+    KERNEL_CACHE_ENV,
     METRICS_DIR,
     MULTIPROC_ENV,
     PidLock,
@@ -219,7 +220,7 @@ class Daemon:
                 import torch  # noqa: F401
             if o.workers:
                 if r.device != "cpu":  # (the CPU's kernels are torch's: nothing compiled)
-                    os.environ["TRITON_CACHE_DIR"] = str(kernel_cache_dir(o.state_dir))
+                    os.environ[KERNEL_CACHE_ENV] = str(kernel_cache_dir(o.state_dir))
                 # The workers' metrics, one file per process, read together by every /metrics
                 # (worker/api/metrics.py); a killed daemon's are stale, but not those of the
                 # workers it left, which this daemon takes over.

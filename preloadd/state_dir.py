@@ -21,6 +21,7 @@ class StateDirError(RuntimeError):
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
 METRICS_DIR = "metrics"  # in the state dir: the workers' metrics, one file per process
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's: where the workers write their series
+KERNEL_CACHE_ENV = "TRITON_CACHE_DIR"  # Triton's: where the workers keep their compiled kernels
 
 
 def prepare_state_dir(path: Path, others_allowed: bool, what: str = "state dir") -> None:
@@ -64,8 +65,8 @@ def kernel_cache_dir(state_dir: Path) -> Path:
     start compiles (V2-Lite on the H200: 24 s of a worker's start, 2.5 s with its kernels
     cached). What is in it is code the workers run, so it is held to the state dir's checks;
     where it cannot pass them (no home, or not ours), the state dir's own, said in the log."""
-    if os.environ.get("TRITON_CACHE_DIR"):
-        return Path(os.environ["TRITON_CACHE_DIR"])
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV])
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "preload", "kernels")
     try:
         prepare_state_dir(path, others_allowed=False, what="kernel cache")

@@ -50,14 +50,14 @@ from pathlib import Path
 from preload.ipc.protocol import log_output_to
 from preload.kernels import triton_import_steps
 from preload.options import ServeOptions, from_json, to_json
-from preload.preloadd.state_dir import METRICS_DIR, MULTIPROC_ENV
+from preload.preloadd.state_dir import KERNEL_CACHE_ENV, METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_CODE = ("kernels", "checkpoint", "ipc", "preloadd", "worker")  # what a forked worker runs
 FORK_TIMEOUT = 10.0  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
 CODE_CHECK_INTERVAL = 2.0  # seconds between looks at whether the installed code changed
-WORKER_ENV = ("TRITON_CACHE_DIR", MULTIPROC_ENV)  # set by the daemon for its workers (daemon.py)
+WORKER_ENV = (KERNEL_CACHE_ENV, MULTIPROC_ENV)  # set by the daemon for its workers (daemon.py)
 # numpy (imported by torch) starts an OpenBLAS thread per core at its import; a process that
 # forks must have no threads. torch's own matrix products do not use numpy's OpenBLAS.
 ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
