@@ -2,13 +2,14 @@
 and the API listening socket so that they outlive the daemon.
 
 The daemon starts one as its load begins and, once loaded, hands it the arena's fds, the
-manifest and the API socket (over a socketpair, SCM_RIGHTS). While the daemon lives, that connection is
-the keeper's owner; a clean stop sends {"op": "exit"} and the keeper exits, letting go
-of the weights. If the daemon dies instead, the connection just closes: the keeper keeps
-holding, and listens on <state dir>/keeper.sock (0600, our uid only) for the next daemon
-of that state dir, which takes everything back ({"op": "take"}) without reading the
-checkpoint, and becomes its owner. The API socket is never closed meanwhile, so
-clients queue in its backlog (or are served by the workers the dead daemon left).
+manifest and the API socket (over a socketpair, SCM_RIGHTS). While the daemon lives, that
+connection is the keeper's owner; a clean stop sends {"op": "exit"} and the keeper exits,
+letting go of the weights. If the daemon dies instead, the connection just closes: the
+keeper keeps holding, and listens on <state dir>/keeper.sock (0600, our uid only) for the
+next daemon of that state dir, which takes everything back ({"op": "take"}) without
+reading the checkpoint, and becomes its owner. The API socket is never closed meanwhile,
+so clients queue in its backlog (or are served by the workers the dead daemon left). If
+the daemon ends before its load is done, its keeper exits, having held nothing.
 
 The kept memory is what the fds keep: a sealed memfd, or a cuda-vmm allocation (its
 exported fd keeps it alive). cuda-ipc handles die with their process: nothing to keep.
