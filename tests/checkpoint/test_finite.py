@@ -32,3 +32,18 @@ def test_the_finite_check_knows_e4m3_has_nan_but_no_infinity():
         poisoned = values.clone()
         poisoned[2] = nan
         assert not all_finite("float8_e4m3fn", poisoned.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_finite_check_agrees_with_torch_on_every_bit_pattern(dtype):
+    bits = 8 * dtype.itemsize
+    patterns = torch.arange(1 << bits, dtype=torch.int32).to(torch.uint16 if bits == 16 else torch.uint8)
+    values = patterns.view(dtype)
+    name = str(dtype).removeprefix("torch.")
+    bad = (~torch.isfinite(values.float())).nonzero().flatten().tolist()
+    assert bad, dtype  # every float dtype here has NaN patterns
+    for i in bad:  # each non-finite pattern alone among finite values, and at either end
+        alone = torch.cat([values[:1], values[i : i + 1], values[:1]]).view(torch.uint8)
+        assert not all_finite(name, alone.numpy()), (dtype, hex(int(patterns[i])))
+    finite = values[torch.isfinite(values.float())]
+    assert all_finite(name, finite.view(torch.uint8).numpy())
