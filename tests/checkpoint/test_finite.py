@@ -42,7 +42,7 @@ def test_the_finite_check_agrees_with_torch_on_every_bit_pattern(dtype):
     name = str(dtype).removeprefix("torch.")
     bad = (~torch.isfinite(values.float())).nonzero().flatten().tolist()
     assert bad, dtype  # every float dtype here has NaN patterns
-    for i in bad:  # each non-finite pattern alone among finite values, and at either end
+    for i in bad:  # each non-finite pattern alone, between two finite values
         alone = torch.cat([values[:1], values[i : i + 1], values[:1]]).view(torch.uint8)
         assert not all_finite(name, alone.numpy()), (dtype, hex(int(patterns[i])))
     finite = values[torch.isfinite(values.float())]
