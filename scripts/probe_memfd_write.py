@@ -7,7 +7,7 @@ written with no populate (a fault per page). Two writer threads, 8 MiB at a time
     python3 scripts/probe_memfd_write.py FILE [RUNS]
 
 On the 2-core CPU machine (V2-Lite-mini, 1.15 GB; results/probe-memfd-write-mini-cpu.json)
-the three are within noise of each other, 5-8x `cat`: the fresh pages are the cost, not
+the three are within noise of each other, 4.9-8.6x `cat`: the fresh pages are the cost, not
 how they are written.
 """
 
