@@ -28,6 +28,16 @@ _NONFINITE = {
 }
 
 
+def nonfinite_limit(dtype: str) -> tuple[int, int] | None:
+    """(bytes per value, smallest non-finite pattern without the sign) of float `dtype`;
+    None for a dtype that has no NaN or Inf (integers). ipc/finite_device.py's kernel
+    checks by it."""
+    if dtype not in _NONFINITE:
+        return None
+    signed, _, limit = _NONFINITE[dtype]
+    return np.dtype(signed).itemsize, limit
+
+
 def all_finite(dtype: str, data) -> bool:
     """No NaN or Inf among the values of `dtype` (a torch dtype name) in the buffer `data`;
     other dtypes (integers) are finite by definition."""

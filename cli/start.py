@@ -21,7 +21,7 @@ import click
 
 from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
-from preload.ipc import fp8_device, protocol
+from preload.ipc import finite_device, fp8_device, protocol
 from preload.ipc.devices import cuda_device_count, ordinal
 from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
@@ -80,9 +80,12 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
 
 
 def _start_cuda(options: DaemonOptions) -> None:
-    """The driver's start, and the fp8 kernel's compile (0.13 s on an H200 host) that the
-    load's plan would otherwise wait for: both beside the daemon's imports."""
+    """The driver's start, and the compiles of the kernels a load into GPU memory uses
+    (0.13 s each on an H200 host) that its plan would otherwise wait for: all beside the
+    daemon's imports."""
     cuda_device_count()
+    if options.transport in ("auto", "cuda-vmm"):  # (auto is cuda-vmm on a GPU)
+        finite_device.available(ordinal(options.device))
     if options.quant == "fp8_block":
         fp8_device.available(ordinal(options.device))
 

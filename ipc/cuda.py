@@ -251,6 +251,20 @@ class VmmArena(_VmmHolder):
             raise ArenaError(f"{q.name}: {q.dtype} {q.shape} with {scale_inv.dtype} {scale_inv.shape} scales: no block fp8")
         self._staging.quantize_staged(self.ptr + q.offset, self.ptr + scale_inv.offset, rows, cols)
 
+    def check_finite(self, entry: TensorEntry, tag: int) -> None:
+        """`entry`'s values checked for NaN and Inf on the GPU, after this thread's copies so
+        far (ipc/finite_device.py); `tag` (non-zero) names it in first_nonfinite."""
+        self._staging.check_finite(self.ptr + entry.offset, entry.nbytes, entry.dtype, tag)
+
+    def check_staged_finite(self, dtype: str, nbytes: int, tag: int) -> None:
+        """check_finite of the source tensor this thread staged (stage_part)."""
+        self._staging.check_staged_finite(nbytes, dtype, tag)
+
+    def first_nonfinite(self) -> int:
+        """The smallest tag of the tensors checked and found NaN or Inf, once every copy
+        and check is done; 0 if none."""
+        return self._staging.first_nonfinite()
+
     def _finish_staging(self) -> None:
         if self._staging is not None:
             self._staging.finish()

@@ -8,10 +8,11 @@ arena, and a `--quant fp8_block` load of bf16 files into a cuda-vmm arena on a G
 has e4m3 in hardware (ipc/fp8_device.py). The daemon then needs no torch to be ready: on
 a GPU host `import torch` alone takes 4-6 s, longer than reading V2-Lite's 31 GB from the
 page cache. The files are mapped, and a pool of threads takes each tensor a chunk at a
-time, while the chunk is in the cache: hashed (BLAKE3), checked for NaN and Inf (numpy)
-and copied into the arena (memfd: pwrite; cuda-vmm: through pinned buffers,
-ipc/staging.py; a matrix to quantize goes to the thread's device scratch, and the kernel
-writes the arena from there). All of it releases the GIL. Any other load (fp8_per_tensor,
+time, while the chunk is in the cache: hashed (BLAKE3), checked for NaN and Inf (numpy;
+into GPU memory, on the GPU behind the copies: ipc/finite_device.py) and copied into the
+arena (memfd: pwrite; cuda-vmm: through pinned buffers, ipc/staging.py; a matrix to
+quantize goes to the thread's device scratch, and the kernel writes the arena from
+there). All of it releases the GIL. Any other load (fp8_per_tensor,
 converted, native FP8, cuda-ipc, a GPU without e4m3) is preloadd/loader.py's, which
 shares with this file the arena's plan and publishing and the manifest.
 """
@@ -37,7 +38,7 @@ from preload.checkpoint.headers import CheckpointError, StoredTensor, read_heade
 from preload.checkpoint.identity import AUX_FILES, checkpoint_record, describe, digest, fingerprint
 from preload.checkpoint.pages import populate
 from preload.checkpoint.shapes import wanted_shapes
-from preload.ipc import fp8_device
+from preload.ipc import finite_device, fp8_device
 from preload.ipc.arena import create_arena
 from preload.ipc.devices import ordinal
 from preload.ipc.layout import Layout, TensorEntry, pack
@@ -95,6 +96,7 @@ class CopyPlan:
     entries: list[TensorEntry]
     size: int
     files: dict[str, bytes]
+    checked_on_device: bool  # NaN/Inf checked by the GPU in the arena, not by the loader threads
 
 
 def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str, device: str) -> CopyPlan | None:
@@ -125,7 +127,8 @@ def copy_plan(model_dir: Path, quant: str, dtype: str, transport: str, device: s
         specs += [(stored_name, dt, s) for stored_name, (dt, s) in wanted.items()]
     files = aux_files(model_dir)
     entries, size = pack(specs + aux_specs(files))
-    return CopyPlan(stored, quantized, entries, size, files)
+    checked_on_device = transport == "cuda-vmm" and finite_device.available(ordinal(device))
+    return CopyPlan(stored, quantized, entries, size, files, checked_on_device)
 
 
 def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport: str, progress: Progress,
@@ -152,18 +155,20 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
             addresses[path] = np.frombuffer(maps[path], dtype=np.uint8).ctypes.data  # (the array goes at once)
 
         copying_in = "write" if transport == "memfd" else "upload"  # (into device memory: an upload)
+        in_file_order = sorted(plan.stored, key=lambda n: (plan.stored[n].path, plan.stored[n].start))
 
-        def store(name: str) -> None:
+        def store(tag: int, name: str) -> None:
             source, entry = plan.stored[name], by_name[name]
             quantized = plan.quantized.get(name)
             widen = entry.dtype != source.dtype and not quantized
+            on_device = plan.checked_on_device and finite_device.checkable(source.dtype if quantized else entry.dtype)
             spent = {"read": 0.0, copying_in: 0.0}
             t = time.perf_counter()
             populate(addresses[source.path] + source.start, source.end - source.start)  # (pages.py)
             spent["read"] = time.perf_counter() - t
 
             def visit(_part: int, at: int, chunk: memoryview) -> None:
-                if not all_finite(source.dtype, chunk):
+                if not on_device and not all_finite(source.dtype, chunk):
                     raise nonfinite(source.path, name)
                 t = time.perf_counter()
                 if quantized:
@@ -183,6 +188,13 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
             if failure is not None:
                 raise failure
             spent["hash"] = time.perf_counter() - t - spent[copying_in]
+            if on_device:  # (queued behind this tensor's copies; the tag says which tensor it was)
+                t = time.perf_counter()
+                if quantized:
+                    arena.check_staged_finite(source.dtype, source.end - source.start, tag)
+                else:
+                    arena.check_finite(entry, tag)
+                spent[copying_in] += time.perf_counter() - t
             if quantized:
                 t = time.perf_counter()
                 arena.write_fp8_block(*(by_name[n] for n in quantized))  # (queued behind the copies)
@@ -194,9 +206,8 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                 progress.tensors_done += len(written)
                 on_progress(progress)
 
-        in_file_order = sorted(plan.stored, key=lambda n: (plan.stored[n].path, plan.stored[n].start))
         with ThreadPoolExecutor(min(LOADER_THREADS, os.cpu_count() or 1), thread_name_prefix="load") as pool:
-            futures = [pool.submit(store, name) for name in in_file_order]
+            futures = [pool.submit(store, tag, name) for tag, name in enumerate(in_file_order, start=1)]
             try:
                 for f in futures:
                     f.result()
@@ -204,6 +215,10 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
                 for f in futures:
                     f.cancel()
                 raise
+        bad = arena.first_nonfinite() if plan.checked_on_device else 0
+        if bad:
+            name = in_file_order[bad - 1]
+            raise nonfinite(plan.stored[name].path, name)
         publish(arena, by_name, plan.files, progress)
     except BaseException:
         arena.close()  # the last fd: the memory is gone with it

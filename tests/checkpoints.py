@@ -92,9 +92,9 @@ def save_hf_model(model, path: Path, dtype: torch.dtype = torch.float32) -> Path
     return path
 
 
-def with_a_bad_last_value(checkpoint: Path, to: Path, value: float) -> tuple[Path, str]:
-    """A copy of a one-file `checkpoint` whose largest tensor ends in `value` (NaN, an
-    infinity): the copy and that tensor's name."""
+def with_a_bad_last_value(checkpoint: Path, to: Path, value: float, name: str | None = None) -> tuple[Path, str]:
+    """A copy of a one-file `checkpoint` whose tensor `name` (by default its largest) ends
+    in `value` (NaN, an infinity): the copy and that tensor's name."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -102,7 +102,7 @@ def with_a_bad_last_value(checkpoint: Path, to: Path, value: float) -> tuple[Pat
     shutil.copytree(checkpoint, to)
     (path,) = to.glob("*.safetensors")
     tensors = load_file(path)
-    name = max(tensors, key=lambda n: tensors[n].numel())
+    name = name or max(tensors, key=lambda n: tensors[n].numel())
     tensors[name].view(-1)[-1] = value
     save_file(tensors, path)
     return to, name

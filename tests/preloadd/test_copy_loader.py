@@ -21,8 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from preload.checkpoint import identity
 from preload.checkpoint.config import ModelConfig
+from preload.checkpoint.finite import all_finite
 from preload.ipc import fp8_device
-from preload.preloadd import loader
+from preload.ipc.arena import create_arena
+from preload.preloadd import copy_loader, loader
 from preload.preloadd.copy_loader import copy_plan, load_copied
 from preload.preloadd.loader import load
 from preload.preloadd.weights import LoadError, Progress
@@ -95,6 +97,49 @@ def test_a_nan_is_named_and_nothing_is_left_behind(tiny_checkpoint, tmp_path, mo
     with pytest.raises(LoadError, match=f"tensor {name} holds NaN or Inf"):
         load_copied(model, "none", "float32", "cpu", "memfd", Progress())
     assert len(os.listdir("/proc/self/fd")) == fds  # the arena's memfd and the files' fds are closed
+
+
+class CheckedByDevice:
+    """A memfd arena that checks NaN/Inf itself, as a cuda-vmm arena has the GPU do
+    (ipc/finite_device.py): each check_finite queued, all done by first_nonfinite."""
+
+    def __init__(self, arena):
+        self.arena, self.queued = arena, []
+
+    def __getattr__(self, name):
+        return getattr(self.arena, name)
+
+    def check_finite(self, entry, tag):
+        self.queued.append((entry, tag))
+
+    def first_nonfinite(self):
+        data = [(os.pread(self.arena.fd, e.nbytes, e.offset), e.dtype, tag) for e, tag in self.queued]
+        return min((tag for b, dtype, tag in data if not all_finite(dtype, b)), default=0)
+
+
+def test_a_load_whose_arena_checks_names_the_bad_tensor_after_every_copy(tiny_checkpoint, tmp_path, monkeypatch):
+    """With the check on the device, the loader threads check nothing themselves; the
+    arena's first bad tag is the tensor named, and the arena goes."""
+    model, name = with_a_bad_last_value(tiny_checkpoint, tmp_path / "model", float("nan"))
+    plan = copy_plan(model, "none", "float32", "memfd", "cpu")
+    assert plan is not None and not plan.checked_on_device  # (host memory: the host checks)
+    plan.checked_on_device = True
+    arenas = []
+
+    def arena_that_checks(transport, size, device):
+        arenas.append(CheckedByDevice(create_arena(transport, size, device)))
+        return arenas[-1]
+
+    def host_check(dtype, data):
+        raise AssertionError("checked on the host too")
+
+    monkeypatch.setattr(copy_loader, "create_arena", arena_that_checks)
+    monkeypatch.setattr(copy_loader, "all_finite", host_check)
+    with pytest.raises(LoadError, match=f"tensor {name} holds NaN or Inf"):
+        load_copied(model, "none", "float32", "cpu", "memfd", Progress(), plan=plan)
+    (arena,) = arenas
+    assert {e.name for e, _ in arena.queued} == set(plan.stored)  # every tensor checked, every copy made
+    assert arena.arena.fd == -1  # (closed: the memory went with it)
 
 
 def test_a_copy_imports_no_torch(tiny_checkpoint):
