@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from daemons import (
     arena_holders,
@@ -30,15 +29,9 @@ from daemons import (
     wait_for,
 )
 from safetensors import safe_open
+from supervised import dead
 
 from preload import BUNDLED_MODEL
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def one_line(text: str) -> str:
@@ -166,7 +159,7 @@ def test_sigterm_stops_cleanly_and_removes_sockets(tiny_checkpoint, tmp_path):
     with running_daemon(state_dir, tiny_checkpoint) as d:
         assert sockets_in(state_dir) == ["control.sock", "fds.sock", "keeper.sock"]
         os.kill(d.pid, signal.SIGTERM)
-        assert wait_for(lambda: gone(d.pid), timeout=15), "daemon did not exit on SIGTERM"
+        assert wait_for(lambda: dead(d.pid), timeout=15), "daemon did not exit on SIGTERM"
         assert sockets_in(state_dir) == []
         assert daemon_processes(state_dir) == []
         assert port_is_free(d.port)
@@ -183,11 +176,11 @@ def test_stop_never_reports_a_hung_daemon_as_absent(tiny_checkpoint, tmp_path):
         try:
             r = preload("stop", "--state-dir", state_dir, "--timeout", 5, timeout=60)
         finally:
-            if not gone(d.pid):
+            if not dead(d.pid):
                 os.kill(d.pid, signal.SIGCONT)
         assert "no preload daemon running" not in r.stdout + r.stderr
         if r.returncode == 0:
-            assert gone(d.pid), "`preload stop` exited 0 but the daemon still runs"
+            assert dead(d.pid), "`preload stop` exited 0 but the daemon still runs"
         else:
             assert str(d.pid) in r.stderr
 
@@ -237,7 +230,7 @@ def test_stop_leaves_no_process_socket_fd_or_memory(tiny_checkpoint, tmp_path):
             r = preload("stop", "--state-dir", state_dir)
             assert r.returncode == 0, r.stderr
             assert f"pid {d.pid}" in r.stdout
-            assert gone(d.pid)
+            assert dead(d.pid)
             assert daemon_processes(state_dir) == []
             assert sockets_in(state_dir) == []
             assert port_is_free(d.port)
@@ -325,8 +318,7 @@ def test_status_and_stop_of_a_dead_daemon_find_what_it_left(tiny_checkpoint, tmp
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
         [w], keeper = d.status()["workers"], d.status()["keeper_pid"]
         os.kill(d.pid, signal.SIGKILL)
-        assert wait_for(lambda: not psutil.pid_exists(d.pid) or psutil.Process(d.pid).status() == psutil.STATUS_ZOMBIE,
-                        timeout=10)
+        assert wait_for(lambda: dead(d.pid), timeout=10)
         t0 = time.monotonic()
         r = preload("status", "--state-dir", str(d.state_dir))
         assert time.monotonic() - t0 < 4 and r.returncode == 1
@@ -335,4 +327,4 @@ def test_status_and_stop_of_a_dead_daemon_find_what_it_left(tiny_checkpoint, tmp
         r = preload("stop", "--state-dir", str(d.state_dir))
         assert str(w["pid"]) in r.stdout and "stopped what it left running" in r.stdout, r.stdout
         for pid in (w["pid"], keeper):
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert dead(pid)

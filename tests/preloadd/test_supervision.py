@@ -31,6 +31,7 @@ from supervised import (
     api,
     children,
     complete,
+    dead,
     kill,
     logs,
     processes_naming,
@@ -84,7 +85,7 @@ def test_sigkill_mid_stream_truncates_that_stream_only(tiny_checkpoint, tmp_path
         assert after["fingerprint"] == before["fingerprint"]
         assert after["bytes_per_device"] == before["bytes_per_device"]
         assert after["state"] == "ready" and d.get("/health").status_code == 200
-        assert not psutil.pid_exists(w["pid"]) or psutil.Process(w["pid"]).status() == psutil.STATUS_ZOMBIE
+        assert dead(w["pid"])
         # `preload status --json` tells the same story as /status.
         cli = preload("status", "--state-dir", d.state_dir, "--json")
         assert cli.returncode == 0, cli.stderr
@@ -299,7 +300,7 @@ def test_graceful_rolling_restart_under_load_drops_no_request(tiny_checkpoint, t
             assert w["pid"] != before[w["slot"]] and w["state"] == "ready", after
             assert w["restarts"] == 1, after
             assert w["last_exit"] == "exited with status 0", f"a drained worker exits cleanly: {after}"
-        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in before.values())
+        assert all(dead(p) for p in before.values())
         assert wait_for(lambda: len(children(d.pid)) == 3, timeout=30)  # 2 workers + the zygote
 
 
@@ -380,7 +381,7 @@ def test_zygote_death_workers_keep_serving_and_it_comes_back(tiny_checkpoint, tm
         [w] = workers_of(d)
         renewed = d.status()["zygote_restarts"]
         kill(z.pid)
-        assert wait_for(lambda: not z.is_running() or z.status() == psutil.STATUS_ZOMBIE, timeout=10)
+        assert wait_for(lambda: dead(z.pid), timeout=10)
 
         # The worker does not depend on its zygote.
         complete(port)
@@ -619,16 +620,10 @@ def test_a_spare_does_not_outlive_the_daemon(tiny_checkpoint, tmp_path):
         [worker] = d.status()["workers"]
         os.kill(d.pid, signal.SIGKILL)
 
-        def gone(pid: int) -> bool:
-            try:
-                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
-
         try:
-            assert wait_for(lambda: gone(spare["pid"]), timeout=30), "the spare is still running after its daemon died"
-            assert not gone(worker["pid"]), "the serving worker outlives its daemon"
+            assert wait_for(lambda: dead(spare["pid"]), timeout=30), "the spare is still running after its daemon died"
+            assert not dead(worker["pid"]), "the serving worker outlives its daemon"
             complete(port, max_tokens=4)
         finally:  # nobody supervises the orphaned worker now: it is ours to stop
             kill(worker["pid"])
-            assert wait_for(lambda: gone(worker["pid"]), timeout=10)
+            assert wait_for(lambda: dead(worker["pid"]), timeout=10)
