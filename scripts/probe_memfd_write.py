@@ -1,14 +1,16 @@
-"""Three ways to fill a host arena (a memfd) with a file's bytes, page cache warm, against
-`cat` of the file: pwrite after fallocate (ipc/memfd.py: the pages allocated by a thread of
-their own, ahead of the writes); a shared mapping of the memfd populated the same way
-(MADV_POPULATE_WRITE) and written with memcpy, without pwrite's work per page; the mapping
-written with no populate (a fault per page). Two writer threads, 8 MiB at a time.
+"""Four ways to fill a host arena (a memfd) with a file's bytes, page cache warm, against
+`cat` of the file: pwrite after fallocate (ipc/memfd.py: the pages allocated, and zeroed, by
+a thread of their own, ahead of the writes); pwrite into holes (a whole page written needs
+no zeroing); a shared mapping of the memfd populated the same way (MADV_POPULATE_WRITE)
+and written with memcpy, without pwrite's work per page; the mapping written with no
+populate (a fault per page). Two writer threads, 8 MiB at a time.
 
     python3 scripts/probe_memfd_write.py FILE [RUNS]
 
-On the 2-core CPU machine (V2-Lite-mini, 1.15 GB; results/probe-memfd-write-mini-cpu.json)
-the three are within noise of each other, 4.9-8.6x `cat`: the fresh pages are the cost, not
-how they are written.
+On the 2-core CPU machine (V2-Lite-mini, 1.15 GB) all are within noise of each other:
+4.9-8.6x `cat` one day (the first three; results/probe-memfd-write-mini-cpu.json), 4.0-5.6x
+another (all four; results/probe-memfd-write-mini-cpu-2.json): the fresh pages are the cost,
+not how they are written, nor their zeroing.
 """
 
 import ctypes
@@ -54,12 +56,12 @@ def main(path: Path, runs: int) -> None:
         t = time.perf_counter()
         subprocess.run(f"cat {path} > /dev/null", shell=True, check=True)
         run["cat"] = time.perf_counter() - t
-        for name, mapped, populated in (("pwrite after fallocate", False, True), ("memcpy, MADV_POPULATE_WRITE", True, True),
-                                        ("memcpy, page faults", True, False)):
+        for name, mapped, populated in (("pwrite after fallocate", False, True), ("pwrite into holes", False, False),
+                                        ("memcpy, MADV_POPULATE_WRITE", True, True), ("memcpy, page faults", True, False)):
             fd = os.memfd_create("probe", os.MFD_CLOEXEC)
             os.ftruncate(fd, size)
             if not mapped:
-                run[name] = fill(size, lambda at, n: os.posix_fallocate(fd, at, n),
+                run[name] = fill(size, (lambda at, n: os.posix_fallocate(fd, at, n)) if populated else (lambda at, n: None),
                                  lambda at: os.pwrite(fd, view[at : at + CHUNK], at))
             else:
                 m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
