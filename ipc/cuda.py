@@ -256,7 +256,7 @@ class VmmArena(_VmmHolder):
         far (ipc/finite_device.py); `tag` (non-zero) names it in first_nonfinite."""
         self._staging.check_finite(self.ptr + entry.offset, entry.nbytes, entry.dtype, tag)
 
-    def check_staged_finite(self, dtype: str, nbytes: int, tag: int) -> None:
+    def check_staged_finite(self, nbytes: int, dtype: str, tag: int) -> None:
         """check_finite of the source tensor this thread staged (stage_part)."""
         self._staging.check_staged_finite(nbytes, dtype, tag)
 

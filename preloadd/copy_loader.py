@@ -191,7 +191,7 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
             if on_device:  # (queued behind this tensor's copies; the tag says which tensor it was)
                 t = time.perf_counter()
                 if quantized:
-                    arena.check_staged_finite(source.dtype, source.end - source.start, tag)
+                    arena.check_staged_finite(source.end - source.start, source.dtype, tag)
                 else:
                     arena.check_finite(entry, tag)
                 spent[copying_in] += time.perf_counter() - t
