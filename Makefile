@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 demo: venv
 	$(BIN)/preload demo

@@ -1,10 +1,17 @@
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# The repository root is the package `preload` (installed so); its folders are not
+# top-level modules. `python -m pytest` run from the root puts the root on sys.path, where
+# `kernels/` would shadow the installed package of that name (transformers imports it).
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy on the CPU): their
 # indexing, masking and math are tested in CI too. Set before any kernel is defined.
