@@ -1,8 +1,8 @@
 """The engine's features on the GPU (bf16, Triton kernels): speculative decoding with
 the MTP drafter and prefix-cache hits give the greedy tokens of plain decoding (up to
 near ties: a verify pass of several tokens and a prefill over cached blocks sum in
-another order than one-token steps), and a cache too small for everyone, with drafts
-on, preempts and finishes.
+another order than one-token steps), so do steps that mix decode rows with prompt
+chunks, and a cache too small for everyone, with drafts on, preempts and finishes.
 
 Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is absent.
 """
@@ -71,3 +71,22 @@ def test_a_full_cache_with_drafts_preempts_and_finishes(plain):
     assert_same_greedy(got, plain.generate(prompts, max_tokens=100, logprobs=5, ignore_eos=True), ONE_ULP, most=False)
     s = llm.engine.stats()
     assert s.preemptions > 0 and s.kv_blocks_used == 0 and not llm.engine.has_work()
+
+
+def test_mixed_steps_give_the_greedy_tokens_of_steps_of_one_kind(want):
+    """A budget of 24 tokens a step chunks the prompts, so that sequences already decoding
+    share steps with the chunks of the others: their rows attend apart, absorbed, beside
+    the prompts' flash attention (deepseek.paged_attention)."""
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=replace(EAGER, max_num_batched_tokens=24))
+    mixed = []
+    run = llm.engine.run
+
+    def spy(batch):
+        counts = [n for _, n in batch]
+        mixed.append(1 in counts and max(counts) > 1)
+        return run(batch)
+
+    llm.engine.run = spy
+    got = llm.generate(PROMPTS, max_tokens=32, ignore_eos=True)
+    assert sum(mixed) >= 3, mixed
+    assert_same_greedy(got, want, ONE_ULP)

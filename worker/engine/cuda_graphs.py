@@ -88,9 +88,10 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMeta:
         tokens, positions, slots, lens = self.ids[:, :size]
-        empty = torch.empty(size, 1, dtype=torch.long, device=self.ids.device)  # prefill's fields: unused in decode
-        return AttentionMeta(positions, slots, empty, 0, empty, empty.bool(), self.table[:size], lens, positions,
-                             self.block_size, max_q=1, max_context=self.width * self.block_size)
+        longest = self.width * self.block_size
+        return AttentionMeta(positions, slots, q_starts=None, context_tokens=0, block_table=self.table[:size],
+                             context_lens=lens, starts=positions, block_size=self.block_size, max_q=1,
+                             max_context=longest, decode_rows=size, decode_context=longest)
 
     def _step(self, size: int, cache: LatentCache) -> torch.Tensor:
         hidden = self.model.forward(self.ids[0, :size], self._meta(size), cache)

@@ -197,7 +197,8 @@ class Engine:
         """One scheduled batch of (sequence, tokens to compute), start to finish."""
         if not batch:
             return []
-        spans = [(seq, seq.computed, n) for seq, n in batch]
+        # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
+        spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
         # Logits only where needed: each sequence's last row when its pending tokens are
         # all in, and every row of a prompt that is being scored.
         row, rows, wanted = 0, [], []

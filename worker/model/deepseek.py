@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.shapes import mtp_layer_index
-from preload.kernels.attention import absorbed_weights, mla_decode, mla_expanded
+from preload.kernels.attention import Pools, absorbed_weights, mla_decode, mla_expanded
 from preload.kernels.linear import dense, linear, linear_weight
 from preload.kernels.moe import moe_layer, route, swiglu
 from preload.kernels.norm import add_rms_norm, rms_norm
@@ -81,6 +81,34 @@ class MoE:
         return moe_layer(x, ids, weights, self.experts, self.stacked, shared)
 
 
+def paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, pools: Pools, meta: AttentionMeta,
+                    scale: float) -> torch.Tensor:
+    """A step's attention over the paged cache itself -> [T, H, dv]: its decode rows (the
+    first meta.decode_rows, one token of a sequence each) in the absorbed form, kv_b folded
+    into the query and the output (mla_decode); the others, prompts' chunks, in the expanded
+    form, flash-style a chunk of context at a time (mla_prefill: Triton, so on a GPU or in
+    Triton's interpreter). Expanded, a decode row's every context token would be
+    up-projected for its one query."""
+    heads, dn = q_nope.shape[1], q_nope.shape[2]
+    d = meta.decode_rows
+
+    def absorbed(rows: int) -> torch.Tensor:
+        return mla_decode(q_nope[:rows], q_pe[:rows], *absorbed_weights(kv_b, heads, dn), pools, meta.block_table[:rows],
+                          meta.context_lens[:rows], meta.block_size, meta.decode_context, scale)
+
+    if d == q_nope.shape[0]:
+        return absorbed(d)
+    from preload.kernels.mla_prefill import mla_prefill  # Triton: imported only where it runs
+
+    out = q_nope.new_empty(q_nope.shape[0], heads, kv_b.shape[0] // heads - dn)
+    if d:
+        out[:d] = absorbed(d)
+    p = meta.prompts
+    mla_prefill(q_nope[d:], q_pe[d:], kv_b, pools, p.block_table, p.context_lens, p.q_starts, meta.block_size,
+                p.max_context, p.max_q, scale, out=out[d:], context_tokens=p.context_tokens)
+    return out
+
+
 class Attention:
     """Multi-head latent attention: queries (optionally through a low-rank q_lora),
     one shared latent c_kv + roped k_pe per token, cached and attended to."""
@@ -118,17 +146,8 @@ class Attention:
         q_pe, k_pe = rope_qk(q_pe, k_pe, meta.positions, *rope, c.rope.interleaved)
         cache.write(self.layer, meta.slots, c_kv, k_pe)
 
-        if meta.is_decode:  # one token per sequence, in order: attend over the paged cache as it is
-            w_uk_uv = absorbed_weights(self.kv_b_dense(x.dtype), c.num_heads, c.qk_nope_head_dim)
-            out = mla_decode(q_nope, q_pe, *w_uk_uv, cache.pools(self.layer), meta.block_table,
-                             meta.context_lens, meta.block_size, meta.max_context, self.scale)
-            return linear(out.flatten(1), self.o)
-        if x.is_cuda:  # flash-style over the paged cache, a chunk of context at a time: memory O(chunk)
-            from preload.kernels.mla_prefill import mla_prefill  # Triton: imported only where there is a GPU
-
-            out = mla_prefill(q_nope, q_pe, self.kv_b_dense(x.dtype), cache.pools(self.layer), meta.block_table,
-                              meta.context_lens, meta.q_starts, meta.block_size, meta.max_context, meta.max_q,
-                              self.scale, context_tokens=meta.context_tokens)
+        if meta.is_decode or x.is_cuda:
+            out = paged_attention(q_nope, q_pe, self.kv_b_dense(x.dtype), cache.pools(self.layer), meta, self.scale)
             return linear(out.flatten(1), self.o)
         # The CPU's (and training's, which autograd follows) form: gather each context, mask [B, Q, K].
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)

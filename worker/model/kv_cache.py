@@ -8,12 +8,13 @@ engine's block manager: a sequence's blocks are its block table).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from preload.checkpoint.config import ModelConfig
@@ -143,6 +144,19 @@ class LatentCache:
         return self.c_kv[layer][slots], self.k_pe[layer][slots]
 
 
+class PromptRows(NamedTuple):
+    """The rows of a step past its decode rows, as the prefill kernel takes them: their
+    sequences' block tables and context lengths, where each one's new tokens begin among
+    these rows [B' + 1], the longest context, the most new tokens, all contexts' tokens."""
+
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_context: int
+    max_q: int
+    context_tokens: int
+
+
 @dataclass
 class AttentionMeta:
     """Where one forward step's tokens sit: a flat batch of T new tokens from B
@@ -151,29 +165,52 @@ class AttentionMeta:
     positions [T], slots [T]: position and cache slot of each new token.
     q_starts [B + 1]: sequence b's new tokens are rows q_starts[b] .. q_starts[b+1]-1.
     context_tokens: the contexts' lengths summed, on the host (the chunked prefill's count).
-    q_index [B, Q], q_valid [B, Q]: the flat index of each sequence's new tokens, padded.
     block_table [B, NB] (int32): each sequence's cache blocks, block_size slots each.
     context_lens [B] (int32): tokens in each context, the new ones included.
-    kv_slots [B, K], mask [B, Q, K]: the contexts as slots and their causal visibility,
-    for attention that gathers the context (prefill); made on first use.
+    starts [B]: the position of each sequence's first new token.
+    decode_rows: how many sequences at the head of the batch have one new token each
+    (the engine puts them first): attention takes those rows in the absorbed form over
+    the cache (a decode step's kernel), the others in the expanded one (prefill's); their
+    longest context is decode_context, and `prompts` describes the others.
+    q_index [B, Q], q_valid [B, Q], kv_slots [B, K], mask [B, Q, K]: the new tokens'
+    flat indices (padded), the contexts as slots and their causal visibility, for the
+    attention that gathers each context (the CPU's); made on first use.
     """
 
     positions: torch.Tensor
     slots: torch.Tensor
     q_starts: torch.Tensor
     context_tokens: int
-    q_index: torch.Tensor
-    q_valid: torch.Tensor
     block_table: torch.Tensor
     context_lens: torch.Tensor
     starts: torch.Tensor
     block_size: int
     max_q: int
     max_context: int
+    decode_rows: int
+    decode_context: int
+    prompt_lens: tuple[int, ...] = ()  # the host's copy of the context lengths past the decode rows
+    prompt_max_q: int = 0
 
     @property
     def is_decode(self) -> bool:
         return self.max_q == 1
+
+    @cached_property
+    def prompts(self) -> PromptRows:
+        d = self.decode_rows
+        return PromptRows(self.block_table[d:], self.context_lens[d:], self.q_starts[d:] - d, max(self.prompt_lens),
+                          self.prompt_max_q, sum(self.prompt_lens))
+
+    @cached_property
+    def q_valid(self) -> torch.Tensor:
+        counts = self.q_starts[1:] - self.q_starts[:-1]
+        return torch.arange(self.max_q, device=counts.device) < counts[:, None]
+
+    @cached_property
+    def q_index(self) -> torch.Tensor:
+        flat = self.q_starts[:-1, None] + torch.arange(self.max_q, device=self.q_starts.device)
+        return torch.where(self.q_valid, flat, 0)
 
     @cached_property
     def kv_slots(self) -> torch.Tensor:
@@ -188,22 +225,28 @@ class AttentionMeta:
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, list[int]]], block_size: int, device) -> AttentionMeta:
         """seqs: (start, n_new, blocks) per sequence: the new tokens are at positions
-        start .. start+n_new-1, and `blocks` hold positions 0 .. start+n_new-1. Built
-        from host lists in a few transfers, with no read back."""
-        starts = [s for s, _, _ in seqs]
-        counts = [n for _, n, _ in seqs]
-        max_q, max_context = max(counts), max(s + n for s, n, _ in seqs)
-        width = max(len(b) for _, _, b in seqs)
-        positions = [p for s, n, _ in seqs for p in range(s, s + n)]
-        slots = [blocks[p // block_size] * block_size + p % block_size for s, n, blocks in seqs for p in range(s, s + n)]
-        offsets = list(itertools.accumulate(counts, initial=0))
-        q_index = [[o + i if i < n else 0 for i in range(max_q)] for o, n in zip(offsets, counts)]
-
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        q_valid = torch.arange(max_q, device=device) < tensor(counts)[:, None]
-        table = tensor([b + [0] * (width - len(b)) for _, _, b in seqs], torch.int32)
-        lens = [s + n for s, n, _ in seqs]
-        return cls(tensor(positions), tensor(slots), tensor(offsets), sum(lens), tensor(q_index), q_valid, table,
-                   tensor(lens, torch.int32), tensor(starts), block_size, max_q, max_context)
+        start .. start+n_new-1, and `blocks` hold positions 0 .. start+n_new-1. Computed
+        per sequence on the host (numpy: no Python loop over tokens), in two transfers,
+        with no read back."""
+        starts = np.array([s for s, _, _ in seqs], dtype=np.int64)
+        counts = np.array([n for _, n, _ in seqs], dtype=np.int64)
+        lens = starts + counts
+        b, offsets = len(seqs), np.concatenate([[0], np.cumsum(counts)])
+        width = max(len(blocks) for _, _, blocks in seqs)
+        small = np.zeros(b * (width + 1), dtype=np.int32)  # context lengths, then the block table
+        small[:b] = lens
+        table = small[b:].reshape(b, width)
+        for row, (_, _, blocks) in zip(table, seqs):
+            row[: len(blocks)] = blocks
+        seq = np.repeat(np.arange(b), counts)
+        positions = np.arange(offsets[-1]) - offsets[seq] + starts[seq]
+        slots = table[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        big = torch.from_numpy(np.concatenate([positions, slots, offsets, starts])).to(device)
+        small = torch.from_numpy(small).to(device)
+        t = len(positions)
+        single = counts == 1
+        d = b if single.all() else int(single.argmin())
+        return cls(big[:t], big[t : 2 * t], big[2 * t : 2 * t + b + 1], int(lens.sum()), small[b:].view(b, width),
+                   small[:b], big[2 * t + b + 1 :], block_size, int(counts.max()), int(lens.max()),
+                   decode_rows=d, decode_context=int(lens[:d].max()) if d else 0,
+                   prompt_lens=tuple(lens[d:].tolist()), prompt_max_q=int(counts[d:].max()) if d < b else 0)
