@@ -6,8 +6,8 @@ that the CPU path never imports Triton; a zygote that forks GPU workers imports 
 import importlib
 from collections.abc import Callable
 
-TRITON_MODULES = ("cache_write", "fp8_linear", "fused_moe", "fused_norm", "fused_rope", "fused_router", "head_matvec",
-                  "mla_decode", "mla_prefill", "moe_align", "moe_decode", "split_k", "triton_dot")
+TRITON_MODULES = ("cache_write", "fp8_act", "fp8_linear", "fused_moe", "fused_norm", "fused_rope", "fused_router",
+                  "head_matvec", "mla_decode", "mla_prefill", "moe_align", "moe_decode", "split_k", "triton_dot")
 
 
 def triton_import_steps() -> list[Callable[[], object]]:

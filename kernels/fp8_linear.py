@@ -8,7 +8,7 @@ the product is split over K as well (split_k.py), in one launch; for one row
 (`ROW_DOT_ROWS`) on the CUDA cores (split_k.row_dot), not padded to a tensor-core tile.
 With a second matrix (`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
 projections, in that same launch. More rows go through the grouped GEMM of fused_moe.py
-with one expert.
+with one expert; a prefill's rows in e4m3 too (fp8_act.py), on the fp8 tensor cores.
 
 Within a K tile of 128 columns a block's scale is one number per output column, so it
 multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactly.
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from preload.kernels.fused_moe import _launch
+from preload.kernels.fp8_act import quantize_groups
+from preload.kernels.fused_moe import _launch, fp8_activations
 from preload.kernels.quant import Fp8Weight, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot, slices
 from preload.kernels.triton_dot import dot_dtype
@@ -166,5 +167,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     aligned = (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device),
                torch.full((1,), capacity, dtype=torch.int32, device=x.device))
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    _launch(rows, Fp8Weight(w.q[None], w.scale_inv[None], w.block), out, aligned, t, 1, block_m, rows_per_pair=True)
+    one = Fp8Weight(w.q[None], w.scale_inv[None], w.block)
+    if fp8_activations(block_m):  # a prefill's rows: e4m3 on the fp8 tensor cores
+        q, scales = quantize_groups(rows)
+        _launch(q, one, out, aligned, t, 1, block_m, rows_per_pair=True, a_scale=scales)
+    else:
+        _launch(rows, one, out, aligned, t, 1, block_m, rows_per_pair=True)
     return out.view(*shape, n)
