@@ -5,9 +5,10 @@ against transformers `generate` on the same checkpoint, in one run.
 For each quant mode the checkpoint is loaded in this process (`LLM`, the engine a
 worker runs) with a KV cache large enough for the largest batch at the longest context.
 For each (context, batch): `batch` prompts of `context` random tokens, greedy, exactly
-`output_len` tokens each (EOS ignored). The prefill (until every sequence has its first
-token) and the decode (the remaining output_len - 1 steps) are timed apart; decode tok/s
-is batch * (output_len - 1) / decode seconds. With drafts (speculative decoding: the MTP
+`output_len` tokens each (EOS ignored). The prefill (every prompt computed and its first
+token drawn, before any sequence decodes: `prefill`) and the decode (the remaining
+output_len - 1 steps, every sequence in each) are timed apart; decode tok/s is
+batch * (output_len - 1) / decode seconds. With drafts (speculative decoding: the MTP
 layer's, or with `draft_model` a small model's of the same vocabulary) a "step" is a verify
 pass: ms/step is per pass, tok/s counts tokens.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from preload.checkpoint.shapes import checkpoint_shapes
 from preload.kernels.quant import stored_layout
 from preload.options import EngineOptions
 from preload.worker.engine.sampling_params import SamplingParams
-from preload.worker.engine.sequence import Sequence
+from preload.worker.engine.sequence import Sequence, Status
 from preload.worker.model.kv_cache import bytes_per_token
 
 
@@ -85,11 +87,29 @@ def queue(engine, batch: int, context: int, output_len: int, vocab: int, seed: i
 
 
 def prefill(engine, seqs: list[Sequence]) -> int:
-    """Step until every sequence has its first token; the number of steps."""
-    steps = 0
-    while not all(seq.output for seq in seqs):
-        engine.step()
+    """Every prompt computed, and its first token drawn, in steps of at most the engine's
+    token budget, before any sequence decodes; then all of them run, decoding together.
+    (Left to the scheduler, the first sequences would decode while the last are still
+    prefilled: at batch 256 and 1k tokens, or 16 and 32k, they finished before the decode
+    steps timed after the prefill, which then carried fewer sequences than the batch.)
+    The number of steps."""
+    engine.scheduler.waiting.clear()  # (queued by `queue`; handed to the running batch below instead)
+    todo, steps = deque(seqs), 0
+    while todo:
+        batch, room = [], engine.scheduler.max_num_batched_tokens
+        while todo and room:
+            seq = todo[0]
+            n = min(seq.pending, room)
+            engine.blocks.grow(seq, seq.computed + n)
+            batch.append((seq, n))
+            room -= n
+            if n == seq.pending:
+                todo.popleft()
+        engine.run(batch)
         steps += 1
+    for seq in seqs:
+        seq.status = Status.RUNNING
+    engine.scheduler.running.extend(seqs)
     return steps
 
 
@@ -100,17 +120,17 @@ def run_case(llm, batch: int, context: int, output_len: int, vocab: int, seed: i
     t0 = time.perf_counter()
     steps = prefill(engine, seqs)
     t1 = time.perf_counter()
-    decode_steps = 0
+    decode_steps, drawn = 0, sum(len(seq.output) for seq in seqs)
     while engine.has_work():
         engine.step()
         decode_steps += 1
     t2 = time.perf_counter()
     assert all(len(seq.output) == output_len for seq in seqs)
-    decode_s = t2 - t1
+    decode_s, decoded = t2 - t1, batch * output_len - drawn  # (the tokens drawn in the timed steps, as counted)
     return {"batch": batch, "context": context, "prefill_s": t1 - t0, "prefill_steps": steps,
             "prefill_tok_s": batch * context / (t1 - t0), "decode_s": decode_s, "decode_steps": decode_steps,
-            "ms_per_step": 1000 * decode_s / max(decode_steps, 1),
-            "output_tok_s": batch * (output_len - 1) / decode_s}
+            "ms_per_step": 1000 * decode_s / max(decode_steps, 1), "tokens_per_step": decoded / max(decode_steps, 1),
+            "output_tok_s": decoded / decode_s}
 
 
 def profile_steps(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 40) -> dict:
@@ -262,7 +282,8 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
             accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
             limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
             case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000),
-                     "speculative_tokens": k, "acceptance_rate": accepted / drafted if drafted else None}
+                     "speculative_tokens": k, "acceptance_rate": accepted / drafted if drafted else None,
+                     "preemptions": after.preemptions - before.preemptions}
             result["runs"].append(case)
             if profile and context == first_context and dev.type == "cuda":
                 result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})

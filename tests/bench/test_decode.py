@@ -20,3 +20,18 @@ def test_decode_with_a_draft_model_counts_what_it_drafts_and_what_is_accepted():
     assert drafted["speculative_tokens"] == 2 and 0 <= drafted["acceptance_rate"] <= 1
     assert all(r["output_tok_s"] > 0 for r in result["runs"]) and result["drafter"] == str(DRAFT)
     assert f"drafts by {DRAFT}" in format_table(result)
+
+
+def test_every_timed_decode_step_carries_the_whole_batch():
+    """Prompts prefilled in several steps of a small budget: no sequence decodes before
+    the last prompt is in, so each of the output_len - 1 timed steps carries all of them
+    (the byte count behind the HBM % assumes it)."""
+    from preload.bench.decode import run_case
+    from preload.options import EngineOptions
+    from preload.worker.llm import LLM
+
+    llm = LLM(BUNDLED_MODEL, device="cpu", engine=EngineOptions(max_num_batched_tokens=48))
+    case = run_case(llm, 5, 40, 6, llm.config.vocab_size, seed=0)
+    assert case["prefill_steps"] == -(-5 * 40 // 48)
+    assert case["decode_steps"] == 5 and case["tokens_per_step"] == 5
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_work()
