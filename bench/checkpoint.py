@@ -71,16 +71,49 @@ def _fill(shape: tuple[int, ...], name: str, dtype: torch.dtype, gen: torch.Gene
     return t.uniform_(0.5, 1.5, generator=gen)  # norm weights
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int, bos: int | None, eos: int | None) -> None:
-    """A word-level tokenizer over "t0".."tN" covering the whole vocab: enough to load."""
+def word_level_tokenizer(vocab_size: int, bos: int | None, eos: int | None) -> tuple[str, dict]:
+    """(tokenizer.json's text, tokenizer_config.json's dict) of a word-level tokenizer
+    over "t0".."tN" covering the whole vocab: enough to load."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out_dir / "tokenizer.json"))
     config = {"bos_token": f"t{bos}" if bos is not None else None, "eos_token": f"t{eos}" if eos is not None else None,
               "add_bos_token": bos is not None}
+    return tok.to_str(), config
+
+
+def _write_tokenizer(out_dir: Path, vocab_size: int, bos: int | None, eos: int | None) -> None:
+    text, config = word_level_tokenizer(vocab_size, bos, eos)
+    (out_dir / "tokenizer.json").write_text(text)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def random_weights(config: dict, quant: str, dtype: torch.dtype, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint of `config` holds once loaded (quantized as `quant` asks),
+    drawn as make_random_checkpoint draws them, straight into `device`'s memory: no files,
+    so a benchmark of V2-Lite's shapes on a GPU starts in seconds. Each layer's experts are
+    views of one tensor per matrix, one expert after the other, as the daemon's arena
+    lays them out (so the kernels read them in place, as a worker does)."""
+    from preload.checkpoint.config import ModelConfig
+    from preload.checkpoint.shapes import checkpoint_shapes
+    from preload.kernels.quant import quantize_weight
+
+    cfg = ModelConfig.from_dict(config)
+    gen = torch.Generator(device).manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[str]] = {}  # a layer's matrix of every expert, by the first expert's name
+    for name, shape in checkpoint_shapes(cfg, with_mtp=False).items():
+        weights |= quantize_weight(name, _fill(shape, name, dtype, gen), None, None, quant, dtype)
+        if ".experts." in name:
+            head, _, tail = name.partition(".experts.")
+            experts.setdefault(f"{head}.experts.*.{tail.partition('.')[2]}", []).append(name)
+    for names in experts.values():
+        for stored in [n for n in weights if n.startswith(names[0])]:  # the matrix, and its scales if quantized
+            suffix = stored.removeprefix(names[0])
+            stacked = torch.stack([weights[n + suffix] for n in names])
+            weights |= {n + suffix: stacked[e] for e, n in enumerate(names)}
+    return weights
 
 
 def make_random_checkpoint(

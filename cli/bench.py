@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from preload.options import QUANT_MODES, DaemonOptions
+from preload.options import QUANT_MODES, DaemonOptions, EngineOptions
 
 
 def _quant_list(ctx, param, value: str) -> list[str]:
@@ -159,6 +159,38 @@ def decode(model, quant, batch, context, output_len, with_transformers, enforce_
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)
+
+
+@bench.command()
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Checkpoint dir, loaded in this process.")
+@click.option("--shape", type=click.Choice(["v2-lite", "v2-lite-mini", "v3-slice"]), default=None,
+              help="Instead of --model: random weights of make-checkpoint's shape, drawn in GPU memory (no files).")
+@click.option("--quant", default="none", show_default=True, callback=_quant_list, help="Comma-separated quant modes.")
+@click.option("--cases", default=None,
+              help="Comma-separated steps, each TOKENSxSEQS[cCACHED][+ROWS@CONTEXT] (e.g. 2048x8+64@1024: 2048 prompt"
+                   " tokens over 8 sequences beside 64 decode rows at 1024 tokens of context) [default: a sweep].")
+@click.option("--prompt", "prompts", default="32768", show_default=True,
+              help="Comma-separated prompt lengths timed whole, from admission to the first token (0: none).")
+@click.option("--max-num-batched-tokens", type=click.IntRange(1), default=EngineOptions().max_num_batched_tokens,
+              show_default=True, help="The engine's token budget a step (the whole prompts' chunks).")
+@click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Timed runs of each step.")
+@device_option
+@json_option("prefill")
+def prefill(model, shape, quant, cases, prompts, max_num_batched_tokens, repeat, device, json_path):
+    """Prefill speed: steps of prompt tokens (with cached context, beside decode rows) timed and broken down by
+    operation, vs the GPU's compute limit."""
+    from preload.bench.prefill import DEFAULT_CASES, Case, format_table, run_prefill
+
+    if (model is None) == (shape is None):
+        raise click.UsageError("give --model or --shape")
+    try:
+        chosen = [Case.parse(c) for c in (cases.split(",") if cases else DEFAULT_CASES)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--cases") from None
+    lengths = [n for n in _int_list(prompts, "--prompt", minimum=0) if n]
+    _run(run_prefill, format_table, json_path, model, shape, device, quant, chosen, lengths, max_num_batched_tokens,
+         repeat)
 
 
 def _int_list(text: str, option: str, minimum: int = 1) -> list[int]:

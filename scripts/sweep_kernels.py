@@ -3,6 +3,8 @@ graphs, rotating over several weight copies so L2 holds none of them between lau
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
 (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
 (`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode.
+(`--prefill [--act]`) the grouped expert GEMMs at a prefill's thousands of tokens (`--act`:
+with e4m3 activations, fp8_act.py).
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
 Its output on an H200 is results/moe-tiles-h200.json; the choices it led to are in
 fused_moe.tile_config, mla_decode (MIN_SPLIT, block_n) and fused_router.MIN_SPLIT_D.
@@ -86,10 +88,35 @@ def moe_cases():
                     yield tokens, block_m, fp8, kind
 
 
-def moe_sweep(shard=None):
+# Prefill (--prefill): thousands of tokens, 190 to 770 rows per expert; compute-bound.
+# fp8 "act": e4m3 activations too (fp8_act.py), the fp8 tensor cores; gate/up then writes
+# e4m3 with a scale per 128 columns, so its tiles are 128 wide.
+PREFILL_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+                   for bn, bk, w, s in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+                                        (128, 128, 8, 3), (64, 128, 4, 4), (256, 64, 8, 3))]
+ACT_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+               for bn, bk, w, s in ((128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4),
+                                    (128, 64, 4, 4), (256, 128, 8, 3), (256, 64, 8, 4))]
+
+
+def moe_prefill_cases(act=False):
+    for tokens in (2048, 8192):
+        for block_m in (64, 128):
+            for fp8 in (("act",) if act else (False, True)):
+                for kind in ("gate_up", "down"):
+                    yield tokens, block_m, fp8, kind
+
+
+def moe_sweep(shard=None, prefill=False, act=False):
+    from preload.kernels.fp8_act import quantize_groups
+
     results = []
     weights = {False: expert_weights(False), True: expert_weights(True)}
-    jobs = [(case, cfg) for case in moe_cases() for cfg in CONFIGS]
+    weights["act"] = weights[True]
+    cases, configs = ((moe_prefill_cases(act), ACT_CONFIGS if act else PREFILL_CONFIGS) if prefill
+                      else (moe_cases(), CONFIGS))
+    jobs = [(case, cfg) for case in cases for cfg in configs
+            if not (case[3] == "gate_up" and cfg["BLOCK_N"] > 128)]  # (two accumulators of 256 columns spill)
     if shard:
         i, n = shard
         jobs = jobs[i::n]
@@ -108,7 +135,17 @@ def moe_sweep(shard=None):
             continue
         fm.tile_config = lambda *a, cfg=cfg: cfg
         ws = weights[fp8]
-        if kind == "gate_up":
+        if fp8 == "act" and kind == "gate_up":
+            (xq, xs), hs = quantize_groups(x), torch.empty(pairs, I // 128, device=dev)
+            out = torch.empty(pairs, I, device=dev, dtype=FP8)
+            fn = lambda c: fm._launch(xq, ws[c][0], out, aligned, pairs, K, block_m, w2=ws[c][1], a_scale=xs,  # noqa: E731
+                                      out_scale=hs)
+        elif fp8 == "act":
+            hq, hs = quantize_groups(h)
+            out = torch.empty(pairs, D, device=dev, dtype=torch.bfloat16)
+            fn = lambda c: fm._launch(hq, ws[c][2], out, aligned, pairs, K, block_m, route=route,  # noqa: E731
+                                      rows_per_pair=True, a_scale=hs)
+        elif kind == "gate_up":
             out = torch.empty(pairs, I, device=dev, dtype=torch.bfloat16)
             fn = lambda c: fm._launch(x, ws[c][0], out, aligned, pairs, K, block_m, w2=ws[c][1])  # noqa: E731
         else:
@@ -119,7 +156,11 @@ def moe_sweep(shard=None):
         except Exception as e:  # out of shared memory, etc.
             us = None
             print(f"{tokens} {block_m} {fp8} {kind} {cfg}: {type(e).__name__} {str(e)[:100]}", file=sys.stderr)
-        results.append(dict(tokens=tokens, block_m=block_m, fp8=fp8, kind=kind, us=us, **cfg))
+        flop = 2 * pairs * D * I * (2 if kind == "gate_up" else 1)
+        results.append(dict(tokens=tokens, block_m=block_m, fp8=fp8, kind=kind, us=us, **cfg,
+                            tflop_s=flop / us / 1e6 if us else None))
+        if prefill:
+            print(results[-1], file=sys.stderr)
     return results
 
 
@@ -282,7 +323,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--compile-shard":
         i, n = map(int, sys.argv[2].split("/"))
         COPIES = 1
-        moe_sweep((i, n))
+        moe_sweep((i, n), prefill="--prefill" in sys.argv, act="--act" in sys.argv)
+        sys.exit(0)
+    if sys.argv[1:2] == ["--prefill"]:
+        json.dump({"moe_prefill": moe_sweep(prefill=True, act="--act" in sys.argv)}, sys.stdout, indent=1)
         sys.exit(0)
     t = time.time()
     out = {"moe": moe_sweep(), "moe_s": time.time() - t}

@@ -1,0 +1,37 @@
+"""The benchmarks' figures on the GPU, where they are measured: a decode step carries the
+whole batch and reads no more than the HBM can deliver in its time (the byte count is
+what the step must read, so the % cannot pass 100); a prefill step's breakdown by
+operation adds up to its time on the GPU's timeline and names the prefill's own
+operations. (The GPU's busy time comes from other runs, under the profiler, which
+lengthens small kernels: on a 5 ms step it came out above the events' span.)
+
+Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is absent.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from preload.bench.decode import run_decode
+from preload.bench.prefill import Case, run_prefill
+from preload.options import BUNDLED_MODEL
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_decode_run_stays_within_the_bandwidth():
+    result = run_decode(Path(BUNDLED_MODEL), "cuda", ["none"], [(16, 2048), (64, 256)], 16, False, lambda msg: None)
+    for r in result["runs"]:
+        assert r["tokens_per_step"] == r["batch"], r
+        assert 0 < r["hbm_percent"] <= 100, r
+
+
+def test_a_prefill_steps_operations_add_up_to_its_time():
+    result = run_prefill(None, "v2-lite-mini", "cuda", ["none"], [Case.parse("512x2c256+8@300")], [], 2048, 3,
+                         lambda msg: None)
+    (r,) = result["runs"]
+    spans = {b["operation"]: b["ms"] for b in r["breakdown"]}
+    assert sum(spans.values()) == pytest.approx(r["gpu_span_ms"], rel=1e-3)
+    assert 0 < r["gpu_busy_ms"] and 0 < r["gpu_span_ms"]
+    for op in ("routed experts: grouped GEMMs", "attention: prompt, flash", "attention: decode rows", "dense projections"):
+        assert spans.get(op, 0) > 0, (op, spans)
