@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -19,6 +20,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as _HFTokenizer  # (here: the daemon needs this module's file names only)
 
         self.hf = _HFTokenizer.from_str(tokenizer_json)  # the tokenizers library's own (streaming decoders step it)
+        self.files = {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config)}  # (to pass on)
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -36,9 +38,10 @@ class Tokenizer:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         return cls(path.read_text(), config)
 
-    @property
+    @cached_property
     def special_ids(self) -> frozenset[int]:
-        """Ids that `decode` leaves out (special tokens)."""
+        """Ids that `decode` leaves out (special tokens); computed once (every request's
+        detokenizer reads them)."""
         return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
 
     @property

@@ -20,6 +20,7 @@ from preload.worker.attach import attach
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.engine import Engine
 from preload.worker.engine.output import Output
+from preload.worker.engine.output_text import OutputText, with_text
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence as Seq
 from preload.worker.engine.speculative import SpecConfig
@@ -189,9 +190,10 @@ class LLM:
             self.engine.check(seq)
         for seq in seqs:
             self.engine.add(seq)
+        texts = {seq.id: (seq, OutputText(self.tokenizer, params.stop)) for seq in seqs}
         outputs: dict[int, list[Output]] = {seq.id: [] for seq in seqs}
         while self.engine.has_work():
-            for out in self.engine.step():
+            for out in with_text(self.engine, texts, self.engine.step()):
                 outputs[out.seq_id].append(out)
         results = [Output.merge(outputs[seq.id]) for seq in seqs]
         failed = [f"prompt {i}: {r.error}" for i, r in enumerate(results) if r.error is not None]
@@ -200,12 +202,12 @@ class LLM:
         return [
             Completion(
                 prompt_token_ids=seq.prompt,
-                token_ids=seq.output,
+                token_ids=result.token_ids,
                 text=result.text,
-                logprobs=seq.logprobs if n_top is not None else None,
-                top_logprobs=seq.top_logprobs if n_top else None,
+                logprobs=result.logprobs if n_top is not None else None,
+                top_logprobs=result.top_logprobs if n_top else None,
                 prompt_logprobs=seq.prompt_logprobs,
-                finish_reason=seq.finish_reason,
+                finish_reason=result.finish_reason,
             )
             for seq, result in zip(seqs, results)
         ]

@@ -103,13 +103,15 @@ class WorkerMetrics:
                            self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
                 self.label(series)
 
-    def finished(self, seq: Sequence, arrived: float, first_token: float, last_token: float) -> None:
-        """A request's sequence is done: its latencies and sizes (monotonic times)."""
+    def finished(self, seq: Sequence, reason: str | None, generated: int, arrived: float, first_token: float,
+                 last_token: float) -> None:
+        """A request's sequence is done (`reason`, after `generated` tokens): its latencies
+        and sizes (monotonic times)."""
         scheduled = seq.first_scheduled or first_token
         self.label(self.e2e).observe(last_token - arrived)
         self.label(self.queue).observe(max(scheduled - arrived, 0.0))
         self.label(self.prefill).observe(max(first_token - scheduled, 0.0))
         self.label(self.decode).observe(last_token - first_token)
         self.label(self.request_prompt_tokens).observe(len(seq.prompt))
-        self.label(self.request_generation_tokens).observe(len(seq.output))
-        self.label(self.request_success, seq.finish_reason or "abort").inc()
+        self.label(self.request_generation_tokens).observe(generated)
+        self.label(self.request_success, reason or "abort").inc()

@@ -19,8 +19,10 @@ router = APIRouter()
 async def health(request: Request):
     """200 only when a request would be answered correctly now."""
     s = serving(request)
-    ok = s.state.serving and s.engine.alive
+    ok = s.state.serving and s.engine.answering
     phase = s.state.phase if s.engine.alive else "engine failed"
+    if s.engine.alive and not s.engine.answering:
+        phase = "engine not answering"  # (a front whose core is silent: its successor is expected)
     return JSONResponse({"status": phase}, status_code=200 if ok else 503)
 
 

@@ -73,6 +73,7 @@ class Serving:
         m = self.metrics
         async with aclosing(outputs):  # closing this closes the engine's iterator: the sequence is aborted
             first = last = None
+            generated = 0
             async for out in outputs:
                 now = time.monotonic()
                 if first is None:
@@ -81,9 +82,10 @@ class Serving:
                 else:
                     m.label(m.tpot).observe(now - last)
                 last = now
+                generated += len(out.token_ids)
                 m.label(m.generation_tokens).inc(len(out.token_ids))
                 if out.finished and first is not None:
-                    m.finished(seq, arrived, first, last)
+                    m.finished(seq, out.finish_reason, generated, arrived, first, last)
                 yield out
 
     async def collect(self, request: Request, streams: list[AsyncIterator[Output]]) -> list[Output]:

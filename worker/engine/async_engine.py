@@ -2,8 +2,9 @@
 
 What handlers use is narrow: `submit` a sequence and read its Outputs, `abort` it,
 read `stats`. Sequences and aborts are queued to the engine thread; after each step it
-hands that step's Outputs to the event loop in one call, and each goes to the queue of
-the request it belongs to.
+hands that step's Outputs (tokens) to the event loop in one call, and each goes to the
+queue of the request it belongs to, whose reader makes their text (output_text.py) on
+the event loop, off the engine's thread.
 
 A failure inside `Engine.step` that is one sequence's own comes back as that sequence's
 Output with an error (RequestFailed for its reader); anything that escapes the step is
@@ -19,7 +20,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from preload.worker.engine.engine import Engine, EngineStats
+from preload.worker.engine.faults import SequenceFault
 from preload.worker.engine.output import Output
+from preload.worker.engine.output_text import OutputText
 from preload.worker.engine.sequence import Sequence
 
 log = logging.getLogger("preload.worker")
@@ -69,6 +72,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def answering(self) -> bool:
+        """Whether it answers now (/health's word; a worker's front says so of its core: front.py)."""
+        return self.alive
+
     def in_flight(self) -> int:
         return len(self._readers)
 
@@ -98,10 +106,11 @@ class AsyncEngine:
             raise EngineDead(f"engine stopped: {self.error}")
         reader: asyncio.Queue = asyncio.Queue()
         self._readers[seq.id] = reader
+        text = OutputText(self.engine.tokenizer, seq.params.stop)  # (made here, on the event loop: the text is its work)
         self._send("add", seq)
-        finished = False
+        finished = False  # in the engine
         try:
-            while not finished:
+            while not text.finished:
                 news = [await reader.get()]
                 while not reader.empty():
                     news.append(reader.get_nowait())
@@ -109,12 +118,16 @@ class AsyncEngine:
                     raise EngineDead(f"engine failed: {news[-1]}")
                 out = Output.merge(news)
                 finished = out.finished
+                try:
+                    out = text.add(out)
+                except SequenceFault as fault:
+                    raise RequestFailed(str(fault)) from None
                 if out.error is not None:
                     raise RequestFailed(out.error)
                 yield out
         finally:
             del self._readers[seq.id]
-            if not finished:
+            if not finished:  # (the client left, its text failed, or a stop string ended it)
                 self.abort(seq)
 
     def _send(self, op: str, seq: Sequence) -> None:

@@ -1,5 +1,6 @@
 """The engine: one step = schedule, run the model over a flat batch, then each sequence's
-own work (sampling, logprobs, detokenizing, stop strings) and an Output for each.
+own work (sampling, logprobs, structured output) and an Output of tokens for each (their
+text is the reader's work: output_text.py).
 
 The forward is the whole batch's: if it fails, the engine is broken and the exception
 goes up to whoever drives it (the worker exits and is replaced). A sequence's own work
@@ -19,7 +20,6 @@ from preload.ipc.kv_memory import KvMemory
 from preload.options import EngineOptions
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
-from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
@@ -48,6 +48,29 @@ class EngineStats:
     spec_draft_tokens: int  # so far: tokens the drafter proposed, and those the target accepted
     spec_accepted_tokens: int
     max_model_len: int  # prompt + max_tokens of one sequence at most
+
+
+def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
+    """Raise RequestError if an engine of this vocabulary and context length can never
+    serve `seq`. With SamplingParams' own ranges this is all the checking a request gets:
+    callers run it once per sequence before `add`, and the engine trusts what it is given.
+    (A worker's front runs it against its core's limits: front.py.)"""
+    prompt, p = seq.prompt, seq.params
+    if not prompt:
+        raise RequestError("the prompt is empty", "prompt")
+    for param, ids in (("prompt", prompt), ("output", seq.output), ("logit_bias", [t for t, _ in p.logit_bias]),
+                       ("stop_token_ids", p.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            prefix = "" if param == "prompt" else f"{param}: "
+            raise RequestError(f"{prefix}token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+    if p.logprobs is not None and p.logprobs > vocab:
+        raise RequestError(f"logprobs must be at most the vocabulary size {vocab}, got {p.logprobs}", "logprobs")
+    if len(prompt) + p.max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context length {max_model_len}",
+            "prompt",
+        )
 
 
 class Engine:
@@ -107,7 +130,6 @@ class Engine:
                                       config.kv_cache_dtype, memory=memory)
             self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache)
         self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
-        self.special_ids = tokenizer.special_ids
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
         # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
         self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
@@ -117,36 +139,24 @@ class Engine:
         return min(self.model.cfg.max_position_embeddings, self.blocks.num_blocks * self.blocks.block_size)
 
     def check(self, seq: Sequence) -> None:
-        """Raise RequestError if this engine can never serve `seq`. With SamplingParams'
-        own ranges this is all the checking a request gets: callers run it once per
-        sequence before `add`, and the engine thread trusts what it is given."""
-        prompt, p = seq.prompt, seq.params
-        vocab = self.model.cfg.vocab_size
-        if not prompt:
-            raise RequestError("the prompt is empty", "prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
-        if p.logprobs is not None and p.logprobs > vocab:
-            raise RequestError(f"logprobs must be at most the vocabulary size {vocab}, got {p.logprobs}", "logprobs")
-        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"{param}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
-        if len(prompt) + p.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context length {self.max_model_len}",
-                "prompt",
-            )
+        """Raise RequestError if this engine can never serve `seq` (check_sequence)."""
+        check_sequence(seq, self.model.cfg.vocab_size, self.max_model_len)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence that passed `check`."""
-        seq.detokenizer = Detokenizer(self.tokenizer, self.special_ids)
+        """Queue a sequence that passed `check`. One with output already (a request
+        resumed after the engine it ran on died) goes on from there: its prompt and output
+        are computed again as one prefill, its grammar has read the output, its seeded
+        draws are keyed by position (Sequence.generator_at), its penalties count the output:
+        it draws what it would have drawn. (Its grammar refusing that output raises
+        RequestError: the output did not come from this request.)"""
         seq.cache_source = CacheSource(self.fingerprint, seq.params.cache_salt)
         if seq.params.seed is not None and not seq.params.greedy:
-            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
+            seq.generator = torch.Generator(self.device)  # (seeded at each draw: Sequence.generator_at)
         if seq.params.grammar is not None:
             seq.matcher = self.grammars.matcher(seq.params.grammar)
+            for token in seq.output:
+                if not seq.matcher.consume_token(token):
+                    raise RequestError(f"the grammar refuses the output's token {token}", "output")
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -302,7 +312,8 @@ class Engine:
             with stage("sampling"):
                 steered = steer(self._processed(rows, seqs), [s.params for s in seqs], [s.prompt for s in seqs],
                                 [s.output for s in seqs], self.stop_ids, [s.matcher for s in seqs])
-                tokens = sample_batch(steered, [s.params for s in seqs], [s.generator for s in seqs], [s.output for s in seqs])
+                generators = [s.generator_at(len(s.output)) for s in seqs]
+                tokens = sample_batch(steered, [s.params for s in seqs], generators, [s.output for s in seqs])
                 return self._picked(seqs, rows, tokens)
         except SequenceFault:
             pass  # whose? each row on its own tells
@@ -312,7 +323,7 @@ class Engine:
                 with stage("sampling"):
                     steered = steer(self._processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
                                     self.stop_ids, [seq.matcher])[0]
-                    token = sample(steered, seq.params, seq.generator, seq.output)
+                    token = sample(steered, seq.params, seq.generator_at(len(seq.output)), seq.output)
                     drawn += self._picked([seq], row[None], torch.tensor([token], device=self.device))
             except SequenceFault as fault:
                 drawn.append(fault)
@@ -380,21 +391,14 @@ class Engine:
                 if not seq.matcher.consume_token(token):
                     raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         reason = self._finish_reason(seq, token)
-        with stage("detokenizing"):
-            new = seq.detokenizer.add(token)
-            if reason is not None:
-                new += seq.detokenizer.finish(seq.output)
-        with stage("stop strings"):
-            out.text, stopped = seq.stop_strings.release(new, last=reason is not None)
-        if stopped:
-            reason = "stop"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             out.finish_reason = reason
         return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Whether `token` ends `seq` by itself (stop strings are judged on the text)."""
+        """Whether `token` ends `seq` by itself (stop strings are judged on the text, by
+        whoever reads it: output_text.py)."""
         p = seq.params
         if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"

@@ -110,7 +110,9 @@ class DecodePipeline:
         logprobs, _ = e.forward([(seq, start, 1) for seq, start in zip(seqs, starts)], list(range(len(seqs))), tokens)
         try:
             with stage("sampling"):
-                drawn = sample_batch(logprobs, [s.params for s in seqs], [s.generator for s in seqs],
+                # (the token drawn here follows the one at `start`: its output index is one on)
+                generators = [s.generator_at(start + 1 - len(s.prompt)) for s, start in zip(seqs, starts)]
+                drawn = sample_batch(logprobs, [s.params for s in seqs], generators,
                                      [s.output for s in seqs])
                 packed, n_top = e.pack(seqs, logprobs, drawn)
         except SequenceFault:  # whose? landing tells, row by row

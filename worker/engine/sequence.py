@@ -9,9 +9,7 @@ from enum import Enum
 
 import torch
 
-from preload.worker.engine.detokenizer import Detokenizer
-from preload.worker.engine.sampling_params import SamplingParams
-from preload.worker.engine.stop_strings import StopStrings
+from preload.worker.engine.sampling_params import SamplingParams, draw_seed
 
 _ids = itertools.count()
 
@@ -61,14 +59,11 @@ class Sequence:
     first_scheduled: float | None = None  # when it first entered the running batch (time.monotonic)
     last_step: int = 0  # the scheduler's count of the last step that computed it (turns, when capped)
     generator: torch.Generator | None = None  # a seeded request's own, on the engine's device (engine.add)
-    detokenizer: Detokenizer | None = None  # given by the engine, which holds the tokenizer
     matcher: object | None = None  # structured output: its grammar's llguidance matcher (engine.add)
-    stop_strings: StopStrings = field(init=False)
 
     def __post_init__(self):
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None]  # nothing predicts the first token
-        self.stop_strings = StopStrings(self.params.stop)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without building the whole list."""
@@ -76,6 +71,13 @@ class Sequence:
         out = self.prompt[start:end] + self.output[max(start - p, 0) : max(end - p, 0)]
         # (past the end: the drafts a speculative step feeds after the pending token)
         return out + self.drafts[max(start - n, 0) : max(end - n, 0)] if end > n else out
+
+    def generator_at(self, index: int, stream: int = 0) -> torch.Generator | None:
+        """A seeded request's generator, set for the draws of its output token `index`
+        (sampling_params.draw_seed); None for the others (they draw from the device's)."""
+        if self.generator is None or self.params.seed is None:  # (a generator given without a seed draws on)
+            return self.generator
+        return self.generator.manual_seed(draw_seed(self.params.seed, index, stream))
 
     def keep_drafts(self, n: int) -> None:
         del self.drafts[n:], self.draft_probs[n:]

@@ -97,7 +97,8 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             qs[i] = distribution(logits[i], seq.params)
-            tokens[i] = int(torch.multinomial(qs[i], 1, generator=seq.generator))
+            gen = seq.generator_at(len(seq.output) + len(seq.drafts), stream=1)  # (the index it drafts)
+            tokens[i] = int(torch.multinomial(qs[i], 1, generator=gen))
     return tokens, qs
 
 
@@ -109,9 +110,9 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
         best = rows.argmax(-1).tolist()
         n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
         return drafts[:n] + [best[n]]
-    gen = seq.generator
     out = []
     for j, d in enumerate(drafts):
+        gen = seq.generator_at(len(seq.output) + j)  # (row j's draws are output token len + j's)
         p, q = distribution(rows[j], seq.params), seq.draft_probs[j]
         u = float(torch.rand((), generator=gen, device=rows.device)) if gen is not None else float(torch.rand(()))
         if u * float(q[d]) < float(p[d]):  # accepted with probability min(1, p(d) / q(d))
@@ -121,6 +122,7 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
         total = float(residual.sum())
         fallback = residual / total if total > 0 else p
         return out + [int(torch.multinomial(fallback, 1, generator=gen))]
+    gen = seq.generator_at(len(seq.output) + len(drafts))
     return out + [int(torch.multinomial(distribution(rows[len(drafts)], seq.params), 1, generator=gen))]
 
 

@@ -1,6 +1,7 @@
 """One request can never take down the others: whatever fails in a sequence's own work
-(sampling, logprobs, detokenizing, stop strings) ends that sequence with an error naming
-the stage, while the sequence beside it in the same batch gets exactly what it gets alone.
+(sampling, logprobs in the engine; detokenizing, stop strings where its Outputs become
+text) ends that sequence with an error naming the stage, while the sequence beside it in
+the same batch gets exactly what it gets alone.
 Faults of the engine itself (the forward, a CUDA error, out of memory) stop the engine,
 and every request hears so."""
 
@@ -16,6 +17,7 @@ from preload import BUNDLED_MODEL, LLM
 from preload.worker.engine import engine as engine_module
 from preload.worker.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from preload.worker.engine.output import Output
+from preload.worker.engine.output_text import OutputText, with_text
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 
@@ -48,14 +50,15 @@ def fail_sampling(monkeypatch, is_victim) -> None:
     monkeypatch.setattr(engine_module, "sample", lambda l, p, g, gen: boom() if is_victim(p) else real_row(l, p, g, gen))
 
 
-def fail_in(stage: str, victim: Sequence, monkeypatch) -> None:
-    """Make `stage` of the victim's own work raise (after the engine has adopted it)."""
+def fail_in(stage: str, victim: Sequence, text: OutputText, monkeypatch) -> None:
+    """Make `stage` of the victim's own work raise: in the engine (sampling), or where its
+    Outputs become text (the reader's side, output_text.py)."""
     if stage == "sampling":
         fail_sampling(monkeypatch, lambda p: p is victim.params)
     elif stage == "detokenizing":
-        victim.detokenizer.add = boom
+        text.detokenizer.add = boom
     elif stage == "stop strings":
-        victim.stop_strings.release = boom
+        text.stop_strings.release = boom
 
 
 @pytest.mark.parametrize("stage", ["sampling", "detokenizing", "stop strings"])
@@ -63,13 +66,14 @@ def test_a_failing_sequence_ends_alone(llm, monkeypatch, stage):
     engine = llm.engine
     [alone] = run(engine, [greedy(OTHER)]).values()
     victim, bystander = greedy(PROMPT, seed=1), greedy(OTHER)
+    texts = {seq.id: (seq, OutputText(engine.tokenizer, ())) for seq in (victim, bystander)}
     for seq in (victim, bystander):
         engine.check(seq)
         engine.add(seq)
-    fail_in(stage, victim, monkeypatch)
+    fail_in(stage, victim, texts[victim.id][1], monkeypatch)
     outputs: dict[int, list[Output]] = {victim.id: [], bystander.id: []}
     while engine.has_work():
-        for out in engine.step():
+        for out in with_text(engine, texts, engine.step()):
             outputs[out.seq_id].append(out)
     failed, served = Output.merge(outputs[victim.id]), Output.merge(outputs[bystander.id])
     assert failed.error == f"{stage} failed for this request: RuntimeError: boom"
