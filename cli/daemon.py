@@ -59,6 +59,10 @@ def status(state_dir, as_json):
     for w in s["workers"]:
         click.echo(f"  worker {w['slot']}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
                    f"KV cache {w['kv_cache_bytes'] / 2**30:.2f} GiB, {w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
+        f = w.get("front")
+        if f:  # (its HTTP front: outlives the slot's engine cores)
+            click.echo(f"    front: {f['state']}, pid {f['pid']}, up {f['uptime_s']:.0f} s, {f['restarts']} restarts,"
+                       f" last exit: {f['last_exit'] or '-'}")
     for w in s["spares"]:
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 

@@ -97,6 +97,11 @@ def workers_socket_path(state_dir: Path) -> Path:
     return Path(state_dir) / "workers.sock"
 
 
+def slot_socket_path(state_dir: Path, slot: int) -> Path:
+    """Where a slot's front and its engine cores talk (worker/core_channel.py)."""
+    return Path(state_dir) / f"slot-{slot}.sock"
+
+
 def encode(msg: dict) -> bytes:
     return msgpack.packb({"v": PROTOCOL_VERSION, **msg}, use_bin_type=True)
 

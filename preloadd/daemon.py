@@ -249,7 +249,8 @@ class Daemon:
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if self.supervisor:
                 self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.loaded.manifest.fingerprint,
-                                               list(api.getsockname()[:2]), orphan_slots(o.state_dir)))
+                                               list(api.getsockname()[:2]), orphan_slots(o.state_dir),
+                                               orphan_slots(o.state_dir, "front")))
                 why = self.supervisor.wait_started(o.worker_start_timeout)
                 if why:
                     said = last_line(o.state_dir / "worker-0.log")

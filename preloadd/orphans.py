@@ -42,11 +42,12 @@ def left_running(state_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def orphan_slots(state_dir: Path) -> dict[int, int]:
-    """{slot: pid} of the serving workers a dead daemon of `state_dir` left."""
+def orphan_slots(state_dir: Path, role: str = "worker") -> dict[int, int]:
+    """{slot: pid} of the serving workers (cores; `role` "front": the fronts) a dead daemon
+    of `state_dir` left."""
     slots = {}
     for p in left_running(state_dir):
-        m = re.match(r"preload worker (\d+) ", " ".join(p.info["cmdline"] or []))
+        m = re.match(rf"preload {role} (\d+) ", " ".join(p.info["cmdline"] or []))
         if m:
             slots[int(m.group(1))] = p.pid
     return slots
@@ -108,20 +109,25 @@ class Adoption:
     listener: OrphanListener
     fingerprint: str
     listen: list  # [host, port] of this daemon's API socket: an orphan must serve that one
-    expected: dict[int, int]  # slot -> pid of a live orphan that has not called yet
+    expected: dict[int, int]  # slot -> pid of a live orphan core that has not called yet
+    expected_fronts: dict[int, int] = field(default_factory=dict)  # likewise, the fronts
     until: float = field(default_factory=lambda: time.monotonic() + ADOPT_WAIT)
 
-    def waiting_for(self, slot: int) -> bool:
-        """Whether `slot` should stay empty a while: its orphan lives and may still call."""
-        pid = self.expected.get(slot)
+    def waiting_for(self, slot: int, role: str = "core") -> bool:
+        """Whether `slot` should stay without its core (or front) a while: its orphan
+        lives and may still call."""
+        expected = self.expected_fronts if role == "front" else self.expected
+        pid = expected.get(slot)
         if pid is not None and (time.monotonic() > self.until or not psutil.pid_exists(pid)):
-            del self.expected[slot]
+            del expected[slot]
             pid = None
         return pid is not None
 
     def verdict(self, claim: dict, slots: int, vacant: Callable[[int], bool]) -> str | None:
-        """None: take the orphan on as its slot's worker; else why it must retire."""
+        """None: take the orphan on as its slot's core or front (`vacant`: whether the slot
+        has none); else why it must retire."""
         self.expected = {s: p for s, p in self.expected.items() if p != claim.get("pid")}
+        self.expected_fronts = {s: p for s, p in self.expected_fronts.items() if p != claim.get("pid")}
         slot = claim.get("slot")
         if claim.get("fingerprint") != self.fingerprint:
             return "it serves other weights than this daemon holds"
@@ -130,5 +136,5 @@ class Adoption:
         if not isinstance(slot, int) or not 0 <= slot < slots:
             return f"slot {slot!r} is not one of this daemon's {slots}"
         if not vacant(slot):
-            return f"slot {slot} has a worker already"
+            return f"slot {slot} has a {'front' if claim.get('role') == 'front' else 'worker'} already"
         return None

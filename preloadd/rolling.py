@@ -1,13 +1,14 @@
 """A rolling restart (`preload restart` without --now) as a state machine that the
 supervisor's loop advances once a turn: every slot in order, one at a time.
 
-For each slot: a replacement is forked and warms up while the old worker serves. Then,
-when the device has room for both KV caches, the replacement takes the slot first
-(go, ready) and the old worker drains afterwards; otherwise the old worker drains and
-exits first, then the replacement takes the slot. The old worker's drain is not
-waited for unless it must free memory: it has its own deadline, and the next slot
-starts at once. If the replacement fails before it takes over, the old worker keeps
-serving. Spares are retired at the start (they run the code of before); the
+For each slot: a replacement core is forked and warms up while the old one serves. Then,
+when the device has room for both KV caches, the replacement takes the slot first (go,
+ready): its hello makes the slot's front hand it every request in flight (worker/front.py),
+so the old core, retired by the front and SIGTERMed here, has nothing left to drain.
+Otherwise the old core is killed first (its front holds its requests), then the replacement
+takes the slot and the requests. The next slot starts at once. If the replacement fails
+before it takes over, the old worker keeps serving. The fronts are not restarted: they
+hold the clients. Spares are retired at the start (they run the code of before); the
 supervisor's refill warms new ones.
 """
 
@@ -80,9 +81,10 @@ class RollingRestart:
             if sup.room_for(old.kv_cache_bytes):
                 sup.go(fresh)
                 self.phase = "taking_over"
-            else:
-                log.info("no room for a second KV cache: worker %d drains before its replacement takes over", slot)
-                self._hand_over(sup, drain=True)
+            else:  # (its front holds the requests meanwhile, and hands them to the replacement: nothing to drain)
+                log.info("no room for a second KV cache: worker %d goes before its replacement takes over", slot)
+                self._hand_over(sup, drain=False)
+                old.kill("rolling restart: no room for two KV caches; its front hands its requests on")
                 self.phase = "draining_first"
 
     def _taking_over(self, sup: Supervisor) -> None:

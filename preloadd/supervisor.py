@@ -8,8 +8,14 @@ requests (restart, stop), each worker's pidfd (readable once it exits) and link 
 order: reap orphans, kill workers that hang, advance a rolling restart, renew the
 zygote when the code changed, fill empty slots and spares, publish the snapshot.
 
-The daemon owns the API listening socket and every worker inherits it, so a client
-that connects while a worker restarts waits in the kernel's backlog instead of being
+Each slot is two processes (worker/serve.py): its engine core (what "worker" means
+below: the model, the KV cache; spares are cores) and its front (HTTP and the requests'
+state). A front outlives its slot's cores: when a core dies, a spare or a fresh core takes
+the slot and the front hands it the requests (worker/front.py); a front that dies is
+started again (its connections are lost: the one case that loses requests).
+
+The daemon owns the API listening socket and every front inherits it, so a client
+that connects while a front restarts waits in the kernel's backlog instead of being
 refused. The daemon is a child subreaper: workers (double-forked by the zygote) are
 its children, reaped here by pid, the zygote through its own Popen.
 """
@@ -27,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from preload.ipc.protocol import slot_socket_path
 from preload.options import DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
@@ -54,6 +61,7 @@ class Supervisor:
         self.spec = zyg.worker_spec(serve, gpu)
         self.workers: dict[int, Worker] = {}  # by pid
         self.slots = [Slot() for _ in range(opts.workers)]
+        self.front_slots = [Slot() for _ in range(opts.workers)]  # the fronts' restarts and backoff
         self.spare_pool = Slot()  # restarts and backoff of the spares
         self.zygotes = zyg.Zygotes(self.spec, listen.fileno(), opts.state_dir, zygote) if opts.zygote else None
         self.rolling: RollingRestart | None = None
@@ -100,7 +108,10 @@ class Supervisor:
                 failed = [w for w in s["workers"] if w["restarts"]]
                 if failed:
                     return f"worker {failed[0]['slot']} {failed[0]['last_exit']} before it was ready"
-                if all(w["state"] == "ready" for w in s["workers"]):
+                failed = [w for w in s["workers"] if w["front"]["restarts"]]
+                if failed:
+                    return f"front {failed[0]['slot']} {failed[0]['front']['last_exit']} before it was ready"
+                if all(w["state"] == "ready" and w["front"]["state"] == "ready" for w in s["workers"]):
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0 and not all(w["pid"] for w in s["workers"]):
@@ -193,15 +204,18 @@ class Supervisor:
 
     # ---- workers: start, tell, hear, reap -----------------------------------------------------
 
-    def spawn(self, slot: int | None) -> Worker:
-        """Fork a worker for `slot` (it waits for its go all the same) or a spare."""
+    def spawn(self, slot: int | None, role: str = "core") -> Worker:
+        """Fork a core for `slot` (it waits for its go all the same), a spare core, or the
+        front of `slot` (it starts at once)."""
         proc = None
         if self.zygotes:
-            pid, link = self.zygotes.fork(slot)
+            pid, link = self.zygotes.fork(slot, role)
         else:
-            proc, link = zyg.spawn_fresh(self.spec, slot, self.listen.fileno())
+            proc, link = zyg.spawn_fresh(self.spec, slot, self.listen.fileno(), role)
             pid = proc.pid
-        worker = self.adopt(Worker(pid, link, os.pidfd_open(pid), slot, proc))
+        worker = self.adopt(Worker(pid, link, os.pidfd_open(pid), slot, proc, role=role))
+        if role == "front":
+            worker.told, worker.state = True, "starting"
         log.info("%s started (pid %d)", worker.name, pid)
         return worker
 
@@ -219,7 +233,9 @@ class Supervisor:
         if got is None:
             return
         conn, claim, fds = got
-        why = self.adoption.verdict(claim, len(self.slots), lambda slot: self.holder(slot) is None)
+        front = claim.get("role") == "front"
+        vacant = (lambda slot: self.front_of(slot) is None) if front else (lambda slot: self.holder(slot) is None)
+        why = self.adoption.verdict(claim, len(self.slots), vacant)
         if why is None and self._stopping is not None:
             why = "the daemon is stopping"
         try:
@@ -229,31 +245,25 @@ class Supervisor:
             conn.close()
             close_fds(fds)
             return  # it is gone already
-        if why is None:
+        if why is None and not front:
             try:
                 self.slots[claim["slot"]].keep_kv(fds, claim)
             except (KeyError, TypeError, ValueError) as e:  # (its fds are closed: the slot's next worker makes new memory)
                 log.warning("pid %d sent its KV memory without its sizes (%s); not kept", claim["pid"], e)
         else:
             close_fds(fds)
-        worker = Worker(claim["pid"], conn, pidfd, claim["slot"] if why is None else None, adopted=True, told=True)
-        worker.stamps["adopted"] = time.time()
-        if why is None:
-            worker.state, worker.heard = "ready", time.monotonic()
-            worker.kv_cache_bytes = int(claim.get("kv_cache_bytes") or 0)
-            log.info("worker %d (pid %d), left by the last daemon, is supervised again", worker.slot, worker.pid)
-        else:
-            worker.retiring, worker.state = True, "draining"
-            worker.deadline = time.monotonic() + self.opts.worker.drain_timeout + 5
-            log.warning("pid %d, left by the last daemon, retires: %s", worker.pid, why)
-        self.adopt(worker)
+        self.adopt(Worker.orphan(claim, conn, pidfd, why, self.opts.worker.drain_timeout))
 
     def go(self, worker: Worker) -> None:
         """Tell a worker (forked for its slot, or a spare just given one) to serve its slot."""
         worker.told, worker.state, worker.since = True, "starting", time.monotonic()
         worker.stamps["slot_given"] = time.time()
-        kv = self.slots[worker.slot].kv
-        msg = {"slot": worker.slot} | ({"kv_cache_bytes": kv[1], "kv_memory_bytes": kv[2]} if kv else {})
+        info = self.slots[worker.slot]
+        kv, cause = info.kv, info.replacement.get("cause", "start")
+        # (what its front is told of the last core: died, or replaced on purpose)
+        takeover = "died" if cause.startswith("exit") else "first" if cause == "start" else "restart"
+        msg = {"slot": worker.slot, "takeover": takeover} | (
+            {"kv_cache_bytes": kv[1], "kv_memory_bytes": kv[2]} if kv else {})
         try:
             socket.send_fds(worker.link, [json.dumps(msg).encode()], [kv[0]] if kv else [])
         except OSError:
@@ -304,7 +314,7 @@ class Supervisor:
                 log.warning("%s (pid %d) sent a malformed message (%s): %r", worker.name, worker.pid, e, data[:200])
 
     def _on_message(self, w: Worker, event: str, msg: dict, fds: list[int]) -> None:
-        if event == "ready" and w.told and w.slot is not None:
+        if event == "ready" and w.told and w.slot is not None and w.role == "core":
             self.slots[w.slot].keep_kv(fds, msg)  # (its KV memory, for the slot's next worker)
         else:
             close_fds(fds)  # nothing else comes with fds
@@ -321,8 +331,8 @@ class Supervisor:
                 self.spare_pool.failures = 0
         elif event == "ready" and w.told and w.slot is not None:
             w.state, w.kv_cache_bytes, w.stamps["ready"] = "ready", int(msg.get("kv_cache_bytes", 0)), time.time()
-            self.slots[w.slot].failures = 0  # the slot is out of any crash loop
-            log.info("worker %d ready (pid %d) %.3f s after start", w.slot, w.pid, now - w.since)
+            (self.front_slots if w.role == "front" else self.slots)[w.slot].failures = 0  # out of any crash loop
+            log.info("%s ready (pid %d) %.3f s after start", w.name, w.pid, now - w.since)
 
     def _reap(self, worker: Worker) -> None:
         code = reap(worker) if worker.pid in self.workers else None
@@ -341,14 +351,19 @@ class Supervisor:
             log.error("replacement for worker %d (pid %d) %s before taking over; the old one keeps serving",
                       worker.slot, worker.pid, reason)
             return
-        record = self.spare_pool if worker.slot is None else self.slots[worker.slot]
+        if worker.role == "front":  # (the channel it bound goes with it: the slot's next front binds a new one)
+            if self.opts.state_dir is not None:
+                slot_socket_path(self.opts.state_dir, worker.slot).unlink(missing_ok=True)
+            record = self.front_slots[worker.slot]
+        else:
+            record = self.spare_pool if worker.slot is None else self.slots[worker.slot]
         if worker.retiring:
             record.last_exit = reason
             if worker.slot is not None and record.replacement.get("old_pid") == worker.pid:
                 record.replacement["old_reaped"] = worker.stamps["reaped"]
             return
         delay = record.record_exit(worker, reason)
-        if worker.slot is not None:
+        if worker.slot is not None and worker.role == "core":
             record.replaced(f"exit: {reason}", worker, reaped=worker.stamps["reaped"])
         log.warning("%s (pid %d) %s; %s", worker.name, worker.pid, reason,
                     f"restarting in {delay:.1f} s (crash loop)" if delay else "restarting now")
@@ -356,20 +371,9 @@ class Supervisor:
     # ---- liveness -----------------------------------------------------------------------------
 
     def _check_liveness(self) -> None:
-        now, o = time.monotonic(), self.opts
+        now = time.monotonic()
         for w in list(self.workers.values()):
-            if w.kill_reason:
-                continue
-            if w.state == "draining":
-                why = f"still draining {o.worker.drain_timeout + 5:.0f} s after SIGTERM" if now > w.deadline else None
-            elif w.state in ("warming", "starting") and now - w.since > o.worker_start_timeout:
-                why = f"hung: not {'warm' if w.state == 'warming' else 'ready'} within {o.worker_start_timeout:g} s"
-            elif w.heard is not None and now - w.heard > o.worker_timeout:
-                why = f"hung: no heartbeat for {now - w.heard:.1f} s"
-            elif w.busy and now - w.progress_at > o.engine_step_timeout:
-                why = f"hung: its engine had work and made no step for {now - w.progress_at:.1f} s"
-            else:
-                why = None
+            why = w.hung(self.opts, now) if not w.kill_reason else None
             if why:
                 log.warning("%s (pid %d) %s; killing it", w.name, w.pid, why)
                 w.kill(why)
@@ -377,21 +381,31 @@ class Supervisor:
     # ---- filling slots and spares -------------------------------------------------------------
 
     def holder(self, slot: int) -> Worker | None:
+        """The core of `slot`."""
         return next((w for w in self.workers.values() if w.holds(slot)), None)
+
+    def front_of(self, slot: int) -> Worker | None:
+        return next((w for w in self.workers.values() if w.fronts(slot)), None)
 
     def idle_spares(self) -> list[Worker]:
         """Spares that could take a slot, the warmest first."""
-        spares = [w for w in self.workers.values() if w.slot is None and not w.retiring]
+        spares = [w for w in self.workers.values() if w.slot is None and not w.retiring and w.role == "core"]
         return sorted(spares, key=lambda w: (w.state != "standby", w.since))
 
     def _refill(self) -> None:
         now = time.monotonic()
+        for slot, info in enumerate(self.front_slots):
+            if self.front_of(slot) is None and now >= info.next_start and self._can_fork():
+                if self.adoption is not None and self.adoption.waiting_for(slot, "front"):
+                    continue  # its orphan lives and will call
+                self.spawn(slot, "front")
         for slot, info in enumerate(self.slots):
             if self.holder(slot) is None and now >= info.next_start:
                 if self.adoption is not None and self.adoption.waiting_for(slot):
                     continue  # its orphan lives and will call
                 self._fill(slot)
-        starting = any(w.slot is not None and w.state != "ready" and not w.retiring for w in self.workers.values())
+        starting = any(w.slot is not None and w.state != "ready" and not w.retiring and w.role == "core"
+                       for w in self.workers.values())
         # Spares warm up while no worker is starting, so that they never slow down one that is.
         if (not starting and len(self.idle_spares()) < self.spares and now >= self.spare_pool.next_start
                 and self._can_fork()):
@@ -423,6 +437,8 @@ class Supervisor:
             self.rolling = None
         self._restart_queued = False
         for w in list(self.workers.values()):
+            if w.role == "front":
+                continue  # (the fronts stay: they hand the requests to the new cores)
             if w.slot is None and not w.retiring:
                 self.retire_spare(w)
             elif w.slot is not None and w.holds(w.slot):
@@ -452,8 +468,10 @@ class Supervisor:
             reap(w, block=True)
             w.close()
         self.workers.clear()
-        for slot in self.slots:
+        for i, slot in enumerate(self.slots):
             slot.drop_kv()
+            if self.opts.state_dir is not None:
+                slot_socket_path(self.opts.state_dir, i).unlink(missing_ok=True)
         if self.zygotes:
             self.zygotes.stop()
         self._publish()
@@ -468,7 +486,8 @@ class Supervisor:
 
     def _publish(self) -> None:
         now = time.monotonic()
-        workers = [info.status(slot, self.holder(slot), now) for slot, info in enumerate(self.slots)]
+        workers = [info.status(slot, self.holder(slot), now) | {"front": self.front_slots[slot].front_status(
+                   self.front_of(slot), now)} for slot, info in enumerate(self.slots)]
         spares = [w.spare_status(now) for w in self.idle_spares()]
         with self._published:
             z = self.zygotes

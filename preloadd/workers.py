@@ -9,6 +9,7 @@ went without reading logs.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import select
 import selectors
@@ -19,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 PR_SET_CHILD_SUBREAPER = 36
+log = logging.getLogger("preload.daemon")
+
 STABLE_AFTER = 5.0  # a worker that lived this long was not crash-looping
 MAX_BACKOFF = 30.0
 
@@ -30,6 +33,7 @@ class Worker:
     pidfd: int  # readable once the process has exited
     slot: int | None  # None: a spare
     proc: subprocess.Popen | None = None  # a fresh interpreter (no zygote) is reaped through its Popen
+    role: str = "core"  # a slot's engine core, or its front (HTTP: worker/serve.py); spares are cores
     # Before it is told its slot: warming -> standby. After: starting -> ready -> draining.
     state: str = "warming"
     told: bool = False  # given its slot
@@ -46,19 +50,57 @@ class Worker:
     kill_reason: str | None = None  # why the supervisor killed it
     stamps: dict[str, float] = field(default_factory=lambda: {"forked": time.time()})
 
+    @classmethod
+    def orphan(cls, claim: dict, conn: socket.socket, pidfd: int, retire: str | None, drain_timeout: float) -> Worker:
+        """A worker a dead daemon left, as its `claim` says (orphans.py): supervised again,
+        or, with a reason to `retire`, draining (it was told so)."""
+        front = claim.get("role") == "front"
+        w = cls(claim["pid"], conn, pidfd, claim["slot"] if retire is None or front else None, adopted=True, told=True,
+                role="front" if front else "core")
+        w.stamps["adopted"] = time.time()
+        if retire is None:
+            w.state, w.heard = "ready", time.monotonic()
+            w.kv_cache_bytes = int(claim.get("kv_cache_bytes") or 0)
+            log.info("%s (pid %d), left by the last daemon, is supervised again", w.name, w.pid)
+        else:
+            w.retiring, w.state = True, "draining"
+            w.deadline = time.monotonic() + drain_timeout + 5
+            log.warning("pid %d, left by the last daemon, retires: %s", w.pid, retire)
+        return w
+
     @property
     def name(self) -> str:
+        if self.role == "front":
+            return f"front {self.slot}"
         return "spare" if self.slot is None else f"worker {self.slot}"
 
     def holds(self, slot: int) -> bool:
-        """Whether this worker is the one serving (or about to serve) `slot`."""
-        return self.slot == slot and not self.retiring and not self.relief
+        """Whether this worker is the core serving (or about to serve) `slot`."""
+        return self.role == "core" and self.slot == slot and not self.retiring and not self.relief
+
+    def fronts(self, slot: int) -> bool:
+        """Whether this worker is the front of `slot`."""
+        return self.role == "front" and self.slot == slot and not self.retiring
 
     def signal(self, sig: int) -> None:
         try:
             os.kill(self.pid, sig)
         except ProcessLookupError:
             pass
+
+    def hung(self, opts, now: float) -> str | None:
+        """Why it must be killed as hung (`opts`: the daemon's DaemonOptions), or None: still
+        draining past its deadline, not warm or ready in time, no heartbeat, or an engine
+        with work and no step."""
+        if self.state == "draining":
+            return f"still draining {opts.worker.drain_timeout + 5:.0f} s after SIGTERM" if now > self.deadline else None
+        if self.state in ("warming", "starting") and now - self.since > opts.worker_start_timeout:
+            return f"hung: not {'warm' if self.state == 'warming' else 'ready'} within {opts.worker_start_timeout:g} s"
+        if self.heard is not None and now - self.heard > opts.worker_timeout:
+            return f"hung: no heartbeat for {now - self.heard:.1f} s"
+        if self.busy and now - self.progress_at > opts.engine_step_timeout:
+            return f"hung: its engine had work and made no step for {now - self.progress_at:.1f} s"
+        return None
 
     def kill(self, reason: str) -> None:
         if self.kill_reason is None:
@@ -141,6 +183,12 @@ class Slot:
             "kv_cache_bytes": w.kv_cache_bytes if w else 0,
             "last_replacement": self.published_replacement(),
         }
+
+    def front_status(self, front: Worker | None, now: float) -> dict:
+        """What /status shows of a slot's front (this record: its fronts' restarts)."""
+        return {"pid": front and front.pid, "state": front.state if front else self.vacancy(),
+                "uptime_s": round(now - front.since, 3) if front else 0.0, "restarts": self.restarts,
+                "last_exit": self.last_exit}
 
     def published_replacement(self) -> dict | None:
         if not self.replacement:

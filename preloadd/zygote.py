@@ -15,7 +15,8 @@ Protocol on the zygote's own SOCK_SEQPACKET socketpair (one JSON message each wa
   daemon -> zygote  {"spec": ..., "env": {...}} + the API's listening socket (SCM_RIGHTS),
                     once: what every worker is started with; read after the imports
   zygote -> daemon  {"ready": true, ...} once its imports are done and it has the spec
-  daemon -> zygote  {"slot": k} or {"slot": null}    fork a worker for slot k, or a spare
+  daemon -> zygote  {"slot": k, "role": r}          fork a worker for slot k (or a spare: null), a core
+                                                    or a front (worker/serve.py)
   zygote -> daemon  {"pid": p} + the daemon's end of the worker's link (SCM_RIGHTS)
 A zygote for GPU workers imports their Triton kernels once it is ready, a step at a time
 while no fork request waits (`next_request`): on a cold start whose load ends before the
@@ -67,8 +68,12 @@ IDLE_GRACE = 0.1  # seconds a zygote waits for a fork request before idle work: 
 log = logging.getLogger("preload.daemon")
 
 
-def log_name(slot: int | None) -> str:
-    return "spares.log" if slot is None else f"worker-{slot}.log"
+def log_name(slot: int | None, role: str = "core") -> str:
+    """A worker's log in the state dir: a slot's core (`worker-N.log`, as before there were
+    fronts), its front (`front-N.log`), or the spares'."""
+    if slot is None:
+        return "spares.log"
+    return f"front-{slot}.log" if role == "front" else f"worker-{slot}.log"
 
 
 def send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:
@@ -95,7 +100,8 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
 
     log_output_to(log_path)
     sock = socket.socket(fileno=os.dup(listen_fd))
-    return serve_supervised(from_json(ServeOptions, spec["serve"]), spec["slot"], sock, link_fd)
+    return serve_supervised(from_json(ServeOptions, spec["serve"]), spec["slot"], sock, link_fd,
+                            spec.get("role", "core"))
 
 
 def worker_main() -> None:
@@ -117,9 +123,10 @@ def _preload_imports() -> None:
     import preload.worker.serve  # noqa: F401
 
 
-def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.socket) -> tuple[int, socket.socket]:
-    """Double-fork a worker (already orphaned when this returns); return its pid and the
-    daemon's end of its link."""
+def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.socket,
+                role: str = "core") -> tuple[int, socket.socket]:
+    """Double-fork a worker (already orphaned when this returns), the `role` of its slot's
+    pair (worker/serve.py: a core or a front); return its pid and the daemon's end of its link."""
     ours, theirs = link_pair()
     r, w = os.pipe()
     child = os.fork()
@@ -134,7 +141,8 @@ def fork_worker(spec: dict, slot: int | None, listen_fd: int, control: socket.so
             code = 1
             try:
                 state_dir = spec["serve"]["state_dir"]
-                code = run_worker(spec | {"slot": slot}, listen_fd, theirs.detach(), f"{state_dir}/{log_name(slot)}")
+                code = run_worker(spec | {"slot": slot, "role": role}, listen_fd, theirs.detach(),
+                                  f"{state_dir}/{log_name(slot, role)}")
             except BaseException:
                 traceback.print_exc()  # stderr is the worker's log by now
             finally:
@@ -192,7 +200,7 @@ def main() -> None:
             msg, _ = next_request(control, idle_work)
             if msg is None:  # the daemon closed its end
                 return
-            pid, link = fork_worker(spec, msg["slot"], listen_fd, control)
+            pid, link = fork_worker(spec, msg["slot"], listen_fd, control, msg.get("role", "core"))
             send(control, {"pid": pid}, [link.fileno()])
             link.close()
     except (BrokenPipeError, ConnectionResetError):  # the daemon died (the next one starts its own zygote)
@@ -280,11 +288,11 @@ class Zygote:
             self.ready_at = at if isinstance(at, float) and self.launched <= at <= time.monotonic() else time.monotonic()
         return self.ready
 
-    def fork(self, slot: int | None) -> tuple[int, socket.socket]:
+    def fork(self, slot: int | None, role: str = "core") -> tuple[int, socket.socket]:
         """A new worker's pid and the daemon's end of its link."""
         self.sock.settimeout(FORK_TIMEOUT)
         try:
-            send(self.sock, {"slot": slot})
+            send(self.sock, {"slot": slot, "role": role})
             reply, fds = receive(self.sock)
         except OSError as e:  # a timeout included: a zygote that cannot fork is as good as dead
             raise RuntimeError(f"the zygote (pid {self.pid}) did not fork: {e}") from None
@@ -348,11 +356,11 @@ class Zygotes:
         sel.register(z.pidfd, selectors.EVENT_READ, lambda: self._exited(sel, z))
         sel.register(z.sock, selectors.EVENT_READ, lambda: self._ready(sel, z))
 
-    def fork(self, slot: int | None) -> tuple[int, socket.socket]:
+    def fork(self, slot: int | None, role: str = "core") -> tuple[int, socket.socket]:
         if self.ready is None:
             raise RuntimeError("no zygote is ready")
         try:
-            return self.ready.fork(slot)
+            return self.ready.fork(slot, role)
         except RuntimeError:
             self._retire(self.ready, kill=True)
             raise
@@ -438,13 +446,14 @@ class Zygotes:
         self._next_start = time.monotonic() + (min(0.5 * 2 ** (f - 1), MAX_BACKOFF) if f else 0.0)
 
 
-def spawn_fresh(spec: dict, slot: int | None, listen_fd: int) -> tuple[subprocess.Popen, socket.socket]:
+def spawn_fresh(spec: dict, slot: int | None, listen_fd: int,
+                role: str = "core") -> tuple[subprocess.Popen, socket.socket]:
     """Without a zygote: a worker as a new interpreter that imports everything itself."""
     ours, theirs = link_pair()
-    log_path = f"{spec['serve']['state_dir']}/{log_name(slot)}"
+    log_path = f"{spec['serve']['state_dir']}/{log_name(slot, role)}"
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "preload.preloadd.zygote", "--worker", json.dumps(spec | {"slot": slot}),
+            [sys.executable, "-m", "preload.preloadd.zygote", "--worker", json.dumps(spec | {"slot": slot, "role": role}),
              str(listen_fd), str(theirs.fileno()), log_path],
             pass_fds=(listen_fd, theirs.fileno()), start_new_session=True)
     except BaseException:

@@ -74,8 +74,13 @@ def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8,
 KEEPER_TITLE = "preload keeper"  # the daemon's keeper (tests/preloadd/test_keeper.py), no worker of it
 
 
+def slot_pids(d) -> list[int]:
+    """The pids /status shows serving: each slot's engine core (its worker) and its front."""
+    return sorted(p for w in workers_of(d) for p in (w["pid"], w["front"]["pid"]) if p)
+
+
 def children(pid: int) -> list[psutil.Process]:
-    """Live (not zombie) direct children of the daemon `pid`: its zygote and workers."""
+    """Live (not zombie) direct children of the daemon `pid`: its zygote, workers and fronts."""
     out = []
     for c in psutil.Process(pid).children():
         try:

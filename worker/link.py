@@ -2,8 +2,10 @@
 worker alone (by the zygote, or by the daemon for a fresh interpreter).
 
 Messages are JSON, one per packet:
-  daemon -> worker  {"slot": k}                               serve slot k (a spare waits for this)
-                    {"slot": k, "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
+  daemon -> worker  {"slot": k, "takeover": why}             serve slot k (a spare waits for this); why:
+                                                              "first", "died" (the slot's last core died) or
+                                                              "restart" (its front hands the requests over)
+                    {"slot": k, ..., "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
                                                               ... in the KV memory the slot's last worker left
   worker -> daemon  {"event": "warm"}                         attached and warmed up, waiting for a slot
                     {"event": "ready", "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
@@ -58,6 +60,7 @@ class DaemonLink:
         self.sock, self.on_slot, self.on_retire = socket.socket(fileno=fd), on_slot, on_retire
         self.rejoin_path = workers_socket_path(state_dir) if state_dir is not None else None
         self.slot: int | None = None
+        self.takeover = "first"  # why this worker got its slot (a core tells its front: worker/front.py)
         self.claim: dict = {}  # what a new daemon is told of us: fingerprint, KV sizes, the API address served
         self.kv_fd = -1  # our KV memory's fd: with `ready`, and to a new daemon with the claim
         self.kv_offer: KvOffer | None = None
@@ -84,6 +87,7 @@ class DaemonLink:
             return None
         msg = json.loads(data)
         slot = int(msg["slot"])
+        self.takeover = str(msg.get("takeover", "first"))
         if fds:
             self.kv_offer = KvOffer(fds[0], int(msg["kv_cache_bytes"]), int(msg["kv_memory_bytes"]))
         self.on_slot(slot)

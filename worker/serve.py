@@ -1,12 +1,16 @@
-"""One engine worker process: attach to the daemon, serve HTTP until told to stop.
+"""A worker's processes: attach to the daemon, serve HTTP until told to stop.
 
-/health is 503 until the worker has attached, built its engine and answered a
-warm-up request correctly; on SIGTERM it turns 503 again while in-flight requests
-drain (up to a timeout), then the process exits.
+/health is 503 until the worker can answer a request correctly; on SIGTERM it turns 503
+again while in-flight requests drain (up to a timeout), then the process exits.
 
-A supervised worker (forked by the daemon's zygote) serves the daemon's listening
-socket and talks to the daemon over its link (worker/link.py): it warms up, says so,
-waits for its slot, then allocates its KV cache and accepts.
+On its own (`preload serve`), a worker is one process: HTTP and the engine on its own
+thread (`serve`). Supervised by the daemon, a slot is two processes, both forked by the
+daemon's zygote: its front (`serve_front`: the daemon's listening socket, HTTP, the
+requests' state; no CUDA) and its engine core (`serve_core`: the model, the scheduler,
+the KV cache), talking over the slot's channel (core_channel.py). A core warms up, says
+so, waits for its slot, then allocates its KV cache and serves its front; when it dies,
+the front hands its requests to the slot's next core, and no client notices more than a
+pause (front.py). Each talks to the daemon over its own link (worker/link.py).
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
 from preload.worker.api.app import create_app
 from preload.worker.api.limits import BodyLimit
 from preload.worker.api.state import WorkerState
+from preload.worker.core import Core, hello_of
+from preload.worker.core_channel import core_address
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
+from preload.worker.front import CoreClient
 from preload.worker.link import DaemonLink, KvOffer
 from preload.worker.llm import LLM
 from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
@@ -114,20 +121,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLink | None = None,
-          lazy_graphs: bool = False) -> None:
-    """Serve until SIGTERM. With its own socket the worker answers at once (/health 503
-    until warm). Supervised (the daemon's shared socket and a link) it warms up and
-    builds its HTTP app first, waits for its slot, and only then allocates its KV cache
-    and accepts: meanwhile clients wait in the backlog, or are taken by ready workers.
-    `lazy_graphs`: a worker a slot waits for captures its decode graphs after it is ready
-    (cuda_graphs.py); a spare, whose start no one waits for, captures them all first."""
+def serve(opts: ServeOptions, sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM, the engine in this process: /health 503 until it has answered
+    a warm-up request."""
     w = opts.worker
     state = WorkerState()
-    engine: AsyncEngine | None = None
-    if link is not None:  # beats from now on: a worker stuck before its engine runs is seen too
-        link.beat(lambda: engine.progress() if engine else (0, False))
-    llm = open_weights(opts, state, link is not None, lazy_graphs)
+    llm = open_weights(opts, state, supervised=False, lazy_graphs=False)
     log.info("weights attached in %.3f s", time.monotonic() - state.started)
     name = w.served_model_name or Path(llm.attached.manifest.model if llm.attached else opts.model).name
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
@@ -140,57 +139,113 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None, link: DaemonLin
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start(asyncio.get_running_loop())
-        if link is not None:
-            link.report("ready", fds=(link.kv_fd,), **link.claim)
-        warming = None if link else asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
+        warming = asyncio.ensure_future(warm_up())  # /health says 503 meanwhile
         yield
-        if warming:
-            warming.cancel()
+        warming.cancel()
 
     app = create_app(engine, llm.tokenizer, name, state, w.trust_request_chat_template, lifespan)
-    config = uvicorn.Config(BodyLimit(app, w.max_request_bytes), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
-    config.load()  # before the slot: a spare's take-over is then only what follows
-    server = DrainingServer(config, state, engine, w.drain_timeout, shared_socket=link is not None)
-    # The model's objects live as long as the worker: the collector need not walk them again
-    # (a full collection of them, landing inside a decode step, stalls it). Before the slot:
-    # a spare's take-over then does none of this.
-    gc.collect()
-    gc.freeze()
-    if link is not None:
-        t = time.monotonic()
-        llm.generate([WARM_UP_PROMPT], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
-        log.info("first step (its kernels loaded, compiled if new) in %.3f s", time.monotonic() - t)
-        link.report("warm")
-        slot = link.wait_for_slot()
-        if slot is None:
-            log.info("the daemon went away before giving this worker a slot")
-            llm.close()
-            return
-        app.state.serving.metrics.worker = str(slot)
-    t = time.monotonic()
-    offer = link.kv_offer if link is not None else None
-    budget = offer.kv_cache_bytes if offer else kv_cache_bytes(opts, llm)
-    llm.start_engine(replace(w.engine, kv_cache_memory=budget), kv_memory=slot_memory(offer, llm.device) if link else None)
+    server = DrainingServer(http_config(app, w), state, engine, w.drain_timeout, shared_socket=False)
+    llm.start_engine(replace(w.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
     engine.use(llm.engine)
-    inherited = offer is not None and not llm.engine.kv_memory.fresh
-    log.info("KV cache: %.2f GiB, %d tokens, %s in %.3f s", budget / (1 << 30), llm.engine.max_model_len,
-             "the slot's, mapped again" if inherited else "made", time.monotonic() - t)
-    if link is not None:
-        memory = llm.engine.kv_memory
-        link.kv_fd = memory.fd
-        link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
-                      "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2])}
-        mark_ready(state)
-    if sock is None:
-        sock = listen(opts.host, opts.port)
+    log.info("KV cache: %d tokens", llm.engine.max_model_len)
+    freeze_objects()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[sock or listen(opts.host, opts.port)])
     finally:
         engine.stop()
         llm.close()
     if engine.error is not None:  # exit non-zero: a supervisor or systemd starts a fresh worker
         raise RuntimeError(f"engine failed: {engine.error}") from engine.error
+
+
+def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_graphs: bool) -> None:
+    """A slot's engine core. It attaches and warms up (its kernels loaded) while the slot
+    waits, says so, waits for its slot; then it allocates its KV cache (the slot's, if its
+    last core left one) and serves the slot's front until retired, drained or failed.
+    `lazy_graphs`: a core a slot waits for captures its decode graphs after it is ready
+    (cuda_graphs.py); a spare, whose start no one waits for, captures them all first."""
+    w = opts.worker
+    state = WorkerState()
+    core: Core | None = None
+    link.beat(lambda: core.progress() if core else (0, False))  # from now on: one stuck before its engine runs too
+    llm = open_weights(opts, state, supervised=True, lazy_graphs=lazy_graphs)
+    log.info("weights attached in %.3f s", time.monotonic() - state.started)
+    freeze_objects()
+    t = time.monotonic()
+    llm.generate([WARM_UP_PROMPT], max_tokens=1)  # loads the kernels: the slow part of a worker's start on a GPU
+    log.info("first step (its kernels loaded, compiled if new) in %.3f s", time.monotonic() - t)
+    link.report("warm")
+    slot = link.wait_for_slot()
+    if slot is None:
+        log.info("the daemon went away before giving this worker a slot")
+        llm.close()
+        return
+    t = time.monotonic()
+    offer = link.kv_offer
+    budget = offer.kv_cache_bytes if offer else kv_cache_bytes(opts, llm)
+    llm.start_engine(replace(w.engine, kv_cache_memory=budget), kv_memory=slot_memory(offer, llm.device))
+    memory = llm.engine.kv_memory
+    log.info("KV cache: %.2f GiB, %d tokens, %s in %.3f s", budget / (1 << 30), llm.engine.max_model_len,
+             "the slot's, mapped again" if offer is not None and not memory.fresh else "made", time.monotonic() - t)
+    link.kv_fd = memory.fd
+    link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
+                  "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2])}
+    name = w.served_model_name or Path(llm.attached.manifest.model).name
+    core = Core(llm, core_address(opts.state_dir, slot), hello_of(llm, name, link.takeover), w.drain_timeout)
+    link.report("ready", fds=(link.kv_fd,), **link.claim)
+    mark_ready(state)
+    try:
+        core.run()
+    finally:
+        core.close()
+        llm.close()
+
+
+def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: DaemonLink) -> None:
+    """A slot's front: the daemon's listening socket, HTTP and every request's state, its
+    engine in the slot's core process (front.py). It binds the slot's channel, waits for a
+    core's hello (its tokenizer and limits), and then accepts; no CUDA here."""
+    w = opts.worker
+    state = WorkerState(weights_note=f"the daemon's on {opts.state_dir}, through slot {slot}'s engine core")
+    client = CoreClient(core_address(opts.state_dir, slot))
+    link.beat(client.progress)
+
+    async def main() -> None:
+        reading = asyncio.ensure_future(client.run())
+        try:
+            await client.hello.wait()
+            link.claim = {"role": "front", "fingerprint": client.info["fingerprint"],
+                          "listen": list(sock.getsockname()[:2])}  # (what a new daemon is told of us)
+            name = w.served_model_name or client.info["model"]
+            app = create_app(client, client.tokenizer, name, state, w.trust_request_chat_template)
+            app.state.serving.metrics.worker = str(slot)
+            server = DrainingServer(http_config(app, w), state, client, w.drain_timeout, shared_socket=True)
+            freeze_objects()
+            mark_ready(state)
+            link.report("ready")
+            await server.serve(sockets=[sock])
+        finally:
+            reading.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+
+
+def http_config(app, w) -> uvicorn.Config:
+    config = uvicorn.Config(BodyLimit(app, w.max_request_bytes), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    config.load()  # (before the slot: a spare's take-over is then only what follows)
+    return config
+
+
+def freeze_objects() -> None:
+    """The model's (or the app's) objects live as long as the process: the collector need
+    not walk them again (a full collection of them, landing inside a decode step, stalls
+    it). Before a slot: a spare's take-over then does none of this."""
+    gc.collect()
+    gc.freeze()
 
 
 def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_graphs: bool) -> LLM:
@@ -218,9 +273,21 @@ def mark_ready(state: WorkerState) -> None:
     log.info("ready in %.3f s", time.monotonic() - state.started)
 
 
-def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.socket, link_fd: int) -> int:
+def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.socket, link_fd: int,
+                     role: str = "core") -> int:
     """Run a worker for the daemon: its options, the slot it was forked for (None: a
-    spare), the daemon's listening socket and the worker's link to the daemon."""
+    spare core), the daemon's listening socket, its link to the daemon and its role in the
+    slot (a "core" or a "front")."""
+    if role == "front":
+        log_format(f"front-{forked_for}")
+        title(f"front {forked_for}", opts)
+        link = DaemonLink(link_fd, state_dir=opts.state_dir, on_retire=lambda why: os.kill(os.getpid(), signal.SIGTERM))
+        link.slot = forked_for
+        try:
+            serve_front(opts, forked_for, sock, link)
+        finally:
+            link.close()
+        return 0
     log_format(f"spare-{os.getpid()}" if forked_for is None else f"worker-{forked_for}")
     title("spare" if forked_for is None else f"worker {forked_for}", opts)
 
@@ -236,7 +303,7 @@ def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.so
     # Taken over by a new daemon, or retired by it (then drain, as on SIGTERM).
     link = DaemonLink(link_fd, on_slot, opts.state_dir, on_retire=lambda why: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        serve(opts, sock, link, lazy_graphs=forked_for is not None)
+        serve_core(opts, sock, link, lazy_graphs=forked_for is not None)
     finally:
         link.close()
     return 0

@@ -67,10 +67,9 @@ def test_a_stopped_worker_is_replaced_within_10_s_while_the_other_serves(tiny_ch
         rep = w["last_replacement"]
         assert rep["old_pid"] == before[0] and rep["new_pid"] == w["pid"], rep
         assert rep["killed"] <= rep["reaped"] <= rep["slot_given"] <= rep["ready"], rep
-        # The other worker served throughout: every request sent after the stop (bar those the
-        # stopped worker had already taken off the socket) was answered.
-        after = [outcome for sent, outcome in results if sent > stopped_at + 0.5]
-        assert len(after) >= 5 and all(o == "ok" for o in after), after[:5]
+        # No request failed: those the stopped core held (and those its front took meanwhile)
+        # waited for its replacement, which took them up; the other worker served throughout.
+        assert len(results) >= 10 and all(o == "ok" for _, o in results), [o for _, o in results if o != "ok"][:5]
         assert workers_of(d)[1]["pid"] == before[1] and workers_of(d)[1]["restarts"] == 0
         complete(port)
 

@@ -52,11 +52,12 @@ def test_sums_are_exact_whichever_process_answers_and_never_go_down(tiny_checkpo
 
 
 def test_processes_say_what_they_are_in_ps(tiny_checkpoint, tmp_path):
-    """setproctitle: `preload daemon`, `preload zygote`, `preload keeper`, `preload worker N`, `preload spare`."""
+    """setproctitle: `preload daemon`, `preload zygote`, `preload keeper`, `preload worker N` (a slot's
+    engine core), `preload front N` (its HTTP front), `preload spare`."""
     port = free_port()
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2, "--spare-workers", "1")) as d:
         procs = [psutil.Process(d.pid), *psutil.Process(d.pid).children(True)]
         titles = sorted(" ".join(p.cmdline()).strip() for p in procs)  # a title is one argv string
         suffix = f" --state-dir {d.state_dir}"
         assert titles == sorted(f"preload {role}{suffix}" for role in ("daemon", "zygote", "keeper", "worker 0", "worker 1",
-                                                                                      "spare")), titles
+                                                                                      "front 0", "front 1", "spare")), titles

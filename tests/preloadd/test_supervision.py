@@ -35,6 +35,7 @@ from supervised import (
     kill,
     logs,
     processes_naming,
+    slot_pids,
     start_args,
     wait_replaced,
     workers_of,
@@ -45,52 +46,75 @@ from supervised import (
 # ---- SIGKILL mid-stream --------------------------------------------------------------------
 
 
-def test_sigkill_mid_stream_truncates_that_stream_only(tiny_checkpoint, tmp_path):
+def stream(port: int, body: dict, on_event=None) -> tuple[list[str], Exception | None]:
+    """The data events of a streamed completion (`on_event(events)` after each), and the
+    error that cut it, if one did."""
+    events, error = [], None
+    try:
+        with httpx.stream("POST", api(port) + "/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    if on_event is not None:
+                        on_event(events)
+    except httpx.HTTPError as e:  # the connection broke mid-body: an error the client sees
+        error = e
+    return events, error
+
+
+def text_of(events: list[str]) -> str:
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events if e.startswith("{") and json.loads(e)["choices"])
+
+
+def test_sigkill_of_the_engine_core_mid_stream_costs_the_stream_nothing(tiny_checkpoint, tmp_path):
     port = free_port()
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
         before = d.status()
         [w] = before["workers"]
         assert w["state"] == "ready" and w["restarts"] == 0 and w["last_exit"] is None, w
-        greedy = complete(port, max_tokens=16)["choices"][0]["text"]
-        max_len = httpx.get(api(port) + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
-        n_tokens = max_len - len(PROMPT.split())
-
-        body = {"prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
-        events, error = [], None
-        try:
-            with httpx.stream("POST", api(port) + "/v1/completions", json=body, timeout=60) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line[5:].strip())
-                        if len(events) == 3:
-                            kill(w["pid"])
-        except httpx.HTTPError as e:  # the connection broke mid-body: fine, that is an error the client sees
-            error = e
-        assert "[DONE]" not in events, f"a stream cut by SIGKILL must not end as if complete ({error!r})"
-        tokens = sum(len(json.loads(e)["choices"][0]["text"].split()) for e in events if e.startswith("{"))
-        assert tokens < n_tokens
-
-        # The next request waits in the daemon's backlog for the replacement and succeeds.
-        again = complete(port, max_tokens=16)["choices"][0]["text"]
-        assert again == greedy, "same weights, same greedy answer"
+        n_tokens = 120
+        body = {"prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "temperature": 0}
+        whole = complete(port, max_tokens=n_tokens)["choices"][0]["text"]
+        events, error = stream(port, body, lambda ev: kill(w["pid"]) if len(ev) == 3 else None)
+        assert error is None and events[-1] == "[DONE]", error
+        assert text_of(events) == whole  # every piece once, none missing: the uninterrupted greedy text
 
         after = d.status()
         [w2] = after["workers"]
         assert w2["pid"] != w["pid"] and w2["state"] == "ready", w2
-        assert w2["restarts"] == 1, w2
-        assert w2["last_exit"] == "killed by SIGKILL", w2
-        assert w2["consecutive_failures"] == 0, w2
-        assert after["pid"] == before["pid"] == d.pid
-        assert after["fingerprint"] == before["fingerprint"]
-        assert after["bytes_per_device"] == before["bytes_per_device"]
-        assert after["state"] == "ready" and d.get("/health").status_code == 200
+        assert w2["restarts"] == 1 and w2["last_exit"] == "killed by SIGKILL", w2
+        assert w2["front"]["pid"] == w["front"]["pid"] and w2["front"]["restarts"] == 0  # the front held on
+        assert after["fingerprint"] == before["fingerprint"] and after["state"] == "ready"
+        assert d.get("/health").status_code == 200
         assert dead(w["pid"])
+
+
+def test_sigkill_of_the_front_mid_stream_truncates_that_stream_only(tiny_checkpoint, tmp_path):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        [w] = d.status()["workers"]
+        greedy = complete(port, max_tokens=16)["choices"][0]["text"]
+        max_len = httpx.get(api(port) + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+        n_tokens = max_len - len(PROMPT.split())
+        body = {"prompt": PROMPT, "max_tokens": n_tokens, "ignore_eos": True, "temperature": 0}
+        events, error = stream(port, body, lambda ev: kill(w["front"]["pid"]) if len(ev) == 3 else None)
+        assert "[DONE]" not in events, f"a stream cut by SIGKILL must not end as if complete ({error!r})"
+        assert len(text_of(events).split()) < n_tokens
+
+        # The next request waits in the daemon's backlog for the new front and succeeds.
+        assert complete(port, max_tokens=16)["choices"][0]["text"] == greedy
+        [w2] = d.status()["workers"]
+        assert w2["front"]["pid"] != w["front"]["pid"] and w2["front"]["restarts"] == 1, w2
+        assert w2["front"]["last_exit"] == "killed by SIGKILL", w2
+        assert w2["pid"] == w["pid"] and w2["restarts"] == 0  # the core served on
+        assert dead(w["front"]["pid"])
         # `preload status --json` tells the same story as /status.
         cli = preload("status", "--state-dir", d.state_dir, "--json")
         assert cli.returncode == 0, cli.stderr
         [w3] = json.loads(cli.stdout)["workers"]
-        assert (w3["pid"], w3["restarts"], w3["last_exit"]) == (w2["pid"], 1, "killed by SIGKILL")
+        f = w3["front"]
+        assert (f["pid"], f["restarts"], f["last_exit"]) == (w2["front"]["pid"], 1, "killed by SIGKILL")
 
 
 def test_requests_sent_while_a_worker_restarts_wait_and_succeed(tiny_checkpoint, tmp_path):
@@ -154,8 +178,9 @@ def test_fifty_kill_restart_cycles_leak_nothing(tiny_checkpoint, tmp_path):
         assert fds <= baseline[0] + 16, f"daemon fds grew from {baseline[0]} to {fds} over {cycles - checkpoint_at} cycles"
         assert rss <= baseline[1] + 64 * 2**20, f"daemon RSS grew from {baseline[1]} to {rss}"
 
-        # One worker and one zygote, no zombies; only the daemon, its keeper and the live worker hold the arena.
-        assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
+        # One worker, its front and one zygote, no zombies; only the daemon, its keeper and the live worker
+        # hold the arena (a front never maps it).
+        assert wait_for(lambda: len(children(d.pid)) == 3, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
         assert zombies(d.pid) == []
         [w] = workers_of(d)
         assert set(arena_holders(arena_inodes(d.pid))) == {d.pid, s["keeper_pid"], w["pid"]}
@@ -301,7 +326,7 @@ def test_graceful_rolling_restart_under_load_drops_no_request(tiny_checkpoint, t
             assert w["restarts"] == 1, after
             assert w["last_exit"] == "exited with status 0", f"a drained worker exits cleanly: {after}"
         assert all(dead(p) for p in before.values())
-        assert wait_for(lambda: len(children(d.pid)) == 3, timeout=30)  # 2 workers + the zygote
+        assert wait_for(lambda: len(children(d.pid)) == 5, timeout=30)  # 2 workers, their fronts, the zygote
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +392,7 @@ def test_a_second_rolling_restart_while_the_first_drains(long_context_checkpoint
             zs = {z.pid for z in zygotes(d)}
             return sorted(c.pid for c in children(d.pid) if c.pid not in zs)
 
-        assert wait_for(lambda: live_workers() == [w["pid"]], timeout=15), (
+        assert wait_for(lambda: live_workers() == slot_pids(d), timeout=15), (
             f"workers alive: {live_workers()}, /status shows {workers_of(d)}\n{logs(d.state_dir)}")
 
 
@@ -408,7 +433,7 @@ def test_zygote_death_workers_keep_serving_and_it_comes_back(tiny_checkpoint, tm
         assert w3["restarts"] == 2, w3
         assert d.status()["zygote_restarts"] > renewed
         complete(port)
-        assert wait_for(lambda: len(children(d.pid)) == 2, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
+        assert wait_for(lambda: len(children(d.pid)) == 3, timeout=30), [c.cmdline()[:3] for c in children(d.pid)]
         assert zombies(d.pid) == []
 
 
@@ -449,13 +474,13 @@ def test_without_zygote_workers_are_fresh_processes_and_still_replaced(tiny_chec
     port = free_port()
     with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 1, "--no-zygote")) as d:
         [w] = workers_of(d)
-        assert zygotes(d) == [] and [c.pid for c in children(d.pid)] == [w["pid"]]
+        assert zygotes(d) == [] and sorted(c.pid for c in children(d.pid)) == slot_pids(d)
         complete(port)
         kill(w["pid"])
         [w2] = wait_replaced(d, {0: w["pid"]})
         assert (w2["restarts"], w2["last_exit"]) == (1, "killed by SIGKILL"), w2
         complete(port)
-        assert wait_for(lambda: [c.pid for c in children(d.pid)] == [w2["pid"]], timeout=30)
+        assert wait_for(lambda: sorted(c.pid for c in children(d.pid)) == slot_pids(d), timeout=30)
         assert zombies(d.pid) == []
 
 

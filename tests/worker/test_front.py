@@ -1,0 +1,232 @@
+"""A worker's front and its engine cores (worker/front.py, worker/core.py), real processes
+over the real channel: a core killed mid-stream costs its requests nothing (the slot's
+next core takes them up where they were: the same greedy tokens, the same text, no piece
+twice); a rolling restart's core takes them over from a live one, which retires; a
+request that kills every core it meets fails alone, its neighbours served; a front that
+restarts finds the slot's core again; requests whose core never comes back fail (503)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+
+import pytest
+from cores import start_core
+
+from preload import BUNDLED_MODEL, LLM
+from preload.worker import front as front_module
+from preload.worker.core_channel import core_address
+from preload.worker.engine.async_engine import EngineDead, RequestFailed
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
+from preload.worker.front import CoreClient
+
+PROMPT = [5, 6, 7, 8, 9]
+POISON = 777
+
+
+@pytest.fixture(scope="module")
+def want():
+    """What an uninterrupted run gives (in this process), by prompt."""
+    llm = LLM(BUNDLED_MODEL, dtype="float32")
+
+    def of(prompt, max_tokens=40):
+        return llm.generate([prompt], max_tokens=max_tokens, ignore_eos=True)[0]
+
+    return of
+
+
+@pytest.fixture
+def address(tmp_path):
+    return core_address(tmp_path, 0)
+
+
+def greedy(prompt, max_tokens=40) -> Sequence:
+    return Sequence(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def started(address: str) -> tuple[CoreClient, asyncio.Task]:
+    client = CoreClient(address)
+    return client, asyncio.ensure_future(client.run())
+
+
+async def serving(address: str, cores: list, **core) -> tuple[CoreClient, asyncio.Task]:
+    """A front on `address` and its first core (appended to `cores`), once the core said hello."""
+    client, reader = await started(address)
+    cores.append(await asyncio.to_thread(start_core, address, **core))
+    await asyncio.wait_for(client.hello.wait(), 60)
+    return client, reader
+
+
+async def read(client: CoreClient, seq: Sequence, each=None) -> tuple[list[int], str, list[str]]:
+    """The tokens, the text and its pieces as a client reads them; `each(tokens)` after each Output."""
+    tokens, pieces = [], []
+    async for out in client.submit(seq):
+        tokens += out.token_ids
+        pieces.append(out.text)
+        if each is not None:
+            await each(tokens)
+    return tokens, "".join(pieces), pieces
+
+
+def kill(proc) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_core_killed_mid_stream_loses_nothing(address, want):
+    cores = []
+
+    async def main():
+        client, reader = await serving(address, cores)
+
+        async def each(tokens):
+            if len(tokens) >= 8 and len(cores) == 1:
+                kill(cores[0])
+                cores.append(await asyncio.to_thread(start_core, address, "died"))
+
+        got = await read(client, greedy(PROMPT), each)
+        reader.cancel()
+        client.close()
+        return got, client
+
+    (tokens, text, pieces), client = asyncio.run(main())
+    for proc in cores[1:]:
+        kill(proc)
+    whole = want(PROMPT)
+    assert tokens == whole.token_ids and text == whole.text
+    assert client.cores_lost == 1 and len(cores) == 2
+
+
+def test_a_rolling_restarts_core_takes_over_from_a_live_one(address, want):
+    cores = []
+
+    async def main():
+        client, reader = await serving(address, cores)
+
+        async def each(tokens):
+            if len(tokens) >= 8 and len(cores) == 1:
+                first = client.core
+                cores.append(await asyncio.to_thread(start_core, address, "restart"))
+                while client.core == first:  # (its hello on the way)
+                    await asyncio.sleep(0.01)
+                taken_at.append(len(tokens))
+
+        taken_at = []
+        got = await read(client, greedy(PROMPT, 120), each)
+        assert await asyncio.to_thread(cores[0].wait, 10) == 0  # retired by the front, it ended on its own
+        reader.cancel()
+        client.close()
+        return got, client, taken_at
+
+    (tokens, text, _), client, taken_at = asyncio.run(main())
+    kill(cores[1])
+    assert taken_at and taken_at[0] < 120  # (the new core computed the rest)
+    assert tokens == want(PROMPT, 120).token_ids and client.cores_lost == 0
+
+
+def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch):
+    cores = []
+
+    async def main():
+        client, reader = await serving(address, cores, poison=POISON)
+
+        async def replace_dead():
+            while True:
+                await asyncio.sleep(0.05)
+                if cores[-1].poll() is not None:
+                    cores.append(await asyncio.to_thread(start_core, address, "died", poison=POISON))
+
+        keeper = asyncio.ensure_future(replace_dead())
+        results = await asyncio.gather(read(client, greedy([1, POISON, 3])), read(client, greedy(PROMPT)),
+                                       read(client, greedy([9, 8, 7], 30)), return_exceptions=True)
+        keeper.cancel()
+        reader.cancel()
+        client.close()
+        return results
+
+    pill, first, second = asyncio.run(main())
+    for proc in cores:
+        if proc.poll() is None:
+            kill(proc)
+    assert isinstance(pill, RequestFailed) and re.search(r"died [34] times", str(pill)) and "alone" in str(pill)
+    assert first[0] == want(PROMPT).token_ids and second[0] == want([9, 8, 7], 30).token_ids
+    assert len(cores) >= 4  # the pill killed three at least (the last with it alone); the last one serves
+
+
+def test_a_new_front_finds_the_slots_core_again(address, want):
+    async def main():
+        client, reader = await started(address)
+        core = await asyncio.to_thread(start_core, address)
+        await asyncio.wait_for(client.hello.wait(), 60)
+        await read(client, greedy(PROMPT, 4))
+        reader.cancel()
+        client.close()  # the front is gone; the core lives on
+        again, reader = await started(address)
+        await asyncio.wait_for(again.hello.wait(), 10)  # (its beats met a front that asked for a hello)
+        got = await read(again, greedy(PROMPT))
+        reader.cancel()
+        again.close()
+        return core, got
+
+    core, (tokens, _, _) = asyncio.run(main())
+    kill(core)
+    assert tokens == want(PROMPT).token_ids
+
+
+def test_requests_fail_when_no_core_comes_back(address, monkeypatch):
+    monkeypatch.setattr(front_module, "CORE_WAIT", 1.0)
+
+    async def main():
+        client, reader = await started(address)
+        core = await asyncio.to_thread(start_core, address)
+        await asyncio.wait_for(client.hello.wait(), 60)
+
+        async def each(tokens):
+            if core.poll() is None:
+                kill(core)
+
+        try:
+            return await read(client, greedy(PROMPT, 200), each)
+        except EngineDead as e:
+            return e
+        finally:
+            assert not client.alive
+            reader.cancel()
+            client.close()
+
+    assert isinstance(asyncio.run(main()), EngineDead)
+
+
+def test_the_channel_is_the_owners_alone(address):
+    async def main():
+        client, reader = await started(address)
+        await asyncio.sleep(0.1)
+        reader.cancel()
+        client.close()
+
+    asyncio.run(main())
+    path = address.removeprefix("ipc://")
+    assert not os.path.exists(path) or os.stat(path).st_mode & 0o077 == 0
+
+
+def test_a_silent_core_is_not_answering_before_its_requests_give_up(address, monkeypatch):
+    """/health (answering) turns at CORE_SILENCE; requests are still taken (alive) until CORE_WAIT."""
+    monkeypatch.setattr(front_module, "CORE_SILENCE", 0.5)
+    monkeypatch.setattr(front_module, "CORE_WAIT", 3.0)
+    cores = []
+
+    async def main():
+        client, reader = await serving(address, cores)
+        assert client.answering and client.alive
+        kill(cores[0])
+        await asyncio.sleep(1.0)
+        seen = (client.answering, client.alive)
+        await asyncio.sleep(2.5)
+        reader.cancel()
+        client.close()
+        return seen, (client.answering, client.alive)
+
+    assert asyncio.run(main()) == ((False, True), (False, False))

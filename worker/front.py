@@ -1,0 +1,281 @@
+"""A supervised worker's front: the engine as the HTTP side sees it (AsyncEngine's narrow
+interface: submit, abort, stats), computed in the slot's core process, over the channel
+(core_channel.py). The front keeps every request's state, so that a core can die without
+a request failing: its requests go to the slot's next core with the output they had so far,
+and the engine goes on from there (Engine.add: the same tokens, greedy or seeded); the
+client's stream goes on where it stopped, nothing repeated, nothing missing.
+
+Which core is the slot's: the one that said hello last. A hello says why it came
+("takeover"): the slot's first core; the last one died ("died": the supervisor saw it go,
+its requests fail over, each counting it); or a rolling restart ("restart": the old core
+is retired, nothing counts). Only a hello moves requests (the supervisor, which reaps the
+cores, is the one that knows a core died): a core silent for CORE_SILENCE makes /health
+say so, and requests that waited CORE_WAIT for a core that never came fail (503).
+
+A request that kills every core it touches (a poison pill) must not take its neighbours
+with it: one that was on SUSPECT_AFTER cores that died runs alone, the others held back,
+until it has made CLEAR_TOKENS more tokens or finished; a core that dies with it alone,
+its MAX_FAILOVERS-th, fails it alone (500, naming the cause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from preload.checkpoint.tokenizer import Tokenizer
+from preload.worker.core_channel import decode, encode, output_from_wire, own, params_to_wire, stats_from_wire
+from preload.worker.engine.async_engine import EngineDead, RequestFailed
+from preload.worker.engine.engine import EngineStats, check_sequence
+from preload.worker.engine.faults import SequenceFault
+from preload.worker.engine.output import Output
+from preload.worker.engine.output_text import OutputText
+from preload.worker.engine.sequence import Sequence
+
+log = logging.getLogger("preload.worker")
+
+CORE_SILENCE = 5.0  # seconds without a beat: /health says the engine is not answering
+CORE_WAIT = 60.0  # seconds requests wait for a silent core, or its successor, before they fail
+MAX_FAILOVERS = 3
+SUSPECT_AFTER = 2
+CLEAR_TOKENS = 16
+WATCH = 0.1  # seconds between looks at the core's beats
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence  # the front's own: prompt, params, and output as far as delivered
+    reader: asyncio.Queue
+    text: OutputText
+    core: bytes | None = None  # the core computing it, if any
+    failovers: int = 0  # cores that died while computing it
+    cleared: int = 0  # tokens it made since it last ran alone (a suspect is cleared at CLEAR_TOKENS)
+    scored: bool = False  # its prompt log-probs were delivered (not asked for again)
+
+    @property
+    def suspect(self) -> bool:
+        return self.failovers >= SUSPECT_AFTER and self.cleared < CLEAR_TOKENS
+
+
+class CoreClient:
+    def __init__(self, address: str):
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a core that is gone fails, not vanishes
+        self.sock.setsockopt(zmq.MAXMSGSIZE, -1)
+        path = Path(address.removeprefix("ipc://"))
+        path.unlink(missing_ok=True)  # a dead front's (the state dir is ours)
+        old = os.umask(0o177)
+        try:
+            self.sock.bind(address)
+        finally:
+            os.umask(old)
+        self.requests: dict[int, Request] = {}
+        self.core: bytes | None = None  # the slot's core
+        self.heard = 0.0  # its last beat
+        self.info: dict = {}  # its hello, less the files
+        self.tokenizer: Tokenizer | None = None
+        self.hello = asyncio.Event()  # set once a core said hello
+        self._stats = EngineStats(0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+        self.on_step: Callable[[], None] = lambda: None  # after each beat (metrics)
+        self.ticks = 0  # the event loop's turns through `run`: its liveness, for the daemon
+        self.cores_lost = 0
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- what the HTTP side uses (AsyncEngine's interface) --------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        """Whether requests are taken: a core has said hello and not been silent for
+        CORE_WAIT (dead and not replaced; a replacement's hello takes its requests)."""
+        return self.core is not None and time.monotonic() - self.heard < CORE_WAIT
+
+    @property
+    def answering(self) -> bool:
+        """Whether the slot's core answers now (beats within CORE_SILENCE): /health's word."""
+        return self.core is not None and time.monotonic() - self.heard < CORE_SILENCE
+
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    def progress(self) -> tuple[int, bool]:
+        return self.ticks, True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def submit(self, seq: Sequence) -> AsyncIterator[Output]:
+        check_sequence(seq, int(self.info.get("vocab", 0)), int(self.info.get("max_model_len", 0)))
+        return self._outputs(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        req = self.requests.pop(seq.id, None)
+        if req is not None and req.core is not None:
+            self._send(req.core, {"t": "abort", "id": seq.id})
+
+    async def _outputs(self, seq: Sequence) -> AsyncIterator[Output]:
+        req = Request(seq, asyncio.Queue(), OutputText(self.tokenizer, seq.params.stop))
+        self.requests[seq.id] = req
+        self._dispatch()
+        finished = False
+        try:
+            while not finished:
+                news = [await req.reader.get()]
+                while not req.reader.empty():
+                    news.append(req.reader.get_nowait())
+                failure = next((n for n in news if isinstance(n, BaseException)), None)
+                if failure is not None:
+                    raise failure
+                out = Output.merge(news)
+                try:
+                    out = req.text.add(out)
+                except SequenceFault as fault:
+                    raise RequestFailed(str(fault)) from None
+                if out.error is not None:
+                    raise RequestFailed(out.error)
+                finished = out.finished
+                yield out
+        finally:
+            if self.requests.get(seq.id) is req:
+                if not finished or req.core is not None:  # (a stop string: the core has not ended it)
+                    self.abort(seq)
+                self.requests.pop(seq.id, None)
+            self._dispatch()  # (a suspect's end lets the others go)
+
+    # ---- the channel ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read the cores, and watch their beats, until cancelled."""
+        self._tasks = [asyncio.ensure_future(self._watch())]
+        try:
+            while True:
+                frames = await self.sock.recv_multipart(copy=False)
+                self.ticks += 1
+                if len(frames) != 2 or not own(frames[1]):
+                    log.warning("a message not from a core of our uid: dropped")
+                    continue
+                identity = frames[0].bytes
+                try:
+                    msg = decode(frames[1].bytes)
+                    getattr(self, f"_on_{msg['t']}")(identity, msg)
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    log.warning("a malformed message from %s (%s): dropped", identity, e)
+        finally:
+            for t in self._tasks:
+                t.cancel()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def _send(self, core: bytes, msg: dict) -> None:
+        try:
+            self.sock.send_multipart([core, encode(msg)], flags=zmq.NOBLOCK).add_done_callback(_quiet)
+        except zmq.ZMQError:
+            pass  # that core is gone: the beats will say so (or have said)
+
+    def _on_hello(self, core: bytes, msg: dict) -> None:
+        files = msg.pop("files", None) or {}
+        if self.tokenizer is None or files:
+            self.tokenizer = Tokenizer(files["tokenizer.json"], json.loads(files.get("tokenizer_config.json") or "{}"))
+        self.info = {k: v for k, v in msg.items() if k != "t"}
+        old, self.core, self.heard = self.core, core, time.monotonic()
+        self._send(core, {"t": "welcome", "front": os.getpid(), "hello": False})
+        if old is not None and old != core:
+            died = msg.get("takeover") == "died"
+            log.info("core %s takes over from %s (%s)", core.decode(), old.decode(), "it died" if died else "restart")
+            self._move_off(old, died)
+            self._send(old, {"t": "retire"})
+        self.hello.set()
+        self._dispatch()
+
+    def _on_beat(self, core: bytes, msg: dict) -> None:
+        if core == self.core:
+            self.heard = time.monotonic()
+            self._stats = stats_from_wire(msg["stats"])
+            self.on_step()
+        elif self.core is None:  # a core from before this front (which restarted): its hello, please
+            self._send(core, {"t": "welcome", "front": os.getpid(), "hello": True})
+        else:
+            self._send(core, {"t": "retire"})  # a core the slot has moved on from
+
+    def _on_out(self, core: bytes, msg: dict) -> None:
+        for wire in msg["o"]:
+            out = output_from_wire(wire)
+            req = self.requests.get(out.seq_id)
+            if req is None or req.core != core:
+                continue  # (its reader left, or another core computes it now)
+            seq = req.seq
+            if out.prompt_logprobs is not None:
+                if req.scored:
+                    out.prompt_logprobs = None
+                req.scored = True
+            seq.output.extend(out.token_ids)
+            req.cleared += len(out.token_ids)
+            if out.finished:
+                req.core = None
+            req.reader.put_nowait(out)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH)
+            self.ticks += 1
+            if self.core is not None and not self.alive:
+                log.error("core %s silent for %.0f s and not replaced: its requests fail", self.core.decode(),
+                          time.monotonic() - self.heard)
+                for req in list(self.requests.values()):
+                    self.requests.pop(req.seq.id, None)
+                    req.reader.put_nowait(EngineDead(f"the engine stopped answering {CORE_WAIT:.0f} s ago"))
+
+    def _move_off(self, core: bytes, died: bool) -> None:
+        """Every request `core` computed waits for the next core; with `died`, each counts
+        the death, and one alone on it (a suspect, run so) fails at its MAX_FAILOVERS-th."""
+        self.cores_lost += died
+        on_it = [req for req in self.requests.values() if req.core == core]
+        for req in on_it:
+            req.core = None
+            if not died:
+                continue
+            req.failovers += 1
+            req.cleared = 0
+            if len(on_it) == 1 and req.failovers >= MAX_FAILOVERS:
+                self.requests.pop(req.seq.id, None)
+                req.reader.put_nowait(RequestFailed(
+                    f"the engine died {req.failovers} times while computing this request, the last time with this"
+                    " request alone: it is not tried again"))
+
+    def _dispatch(self) -> None:
+        """Send the waiting requests to the slot's core: all of them, unless a suspect
+        waits or runs: then it runs alone, the first suspect first."""
+        if self.core is None:
+            return
+        running = [r for r in self.requests.values() if r.core is not None]
+        waiting = [r for r in self.requests.values() if r.core is None]
+        suspects = [r for r in self.requests.values() if r.suspect]
+        if suspects:
+            if running:
+                return  # (a suspect runs, or the others finish before one does)
+            waiting = suspects[:1]
+        for req in waiting:
+            self._start(req)
+
+    def _start(self, req: Request) -> None:
+        seq = req.seq
+        params = replace(seq.params, prompt_logprobs=False) if req.scored else seq.params
+        req.core = self.core
+        self._send(self.core, {"t": "add", "id": seq.id, "prompt": seq.prompt, "output": list(seq.output),
+                               "params": params_to_wire(params)})
+
+
+def _quiet(future) -> None:
+    """(A send that failed: its core is gone, which the beats tell; nothing to log twice.)"""
+    if not future.cancelled():
+        future.exception()
