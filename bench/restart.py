@@ -1,6 +1,7 @@
-"""Restart: from a worker's SIGKILL (or a `restart` request) to the first /health 200 on
-the API port served by the NEW worker, against a cold start of the same daemon, at one
-or two model sizes.
+"""Restart: from a worker's SIGKILL (or a `restart` request) to the first completion its
+slot answers after it, against a cold start of the same daemon, at one or two model sizes.
+A "worker" here is a slot's engine core: its front holds the client meanwhile, and hands
+the request to the slot's next core (worker/front.py), so the answer comes from the new one.
 
 Four kinds, `restarts` times each. Every daemon is started with an explicit
 `--spare-workers` (its default differs between CPU and GPU), so that CPU and GPU runs
@@ -11,12 +12,10 @@ measure the same thing:
   standby (attached, warmed up, waiting), so each kill measures a warm spare taking the slot;
 - sigkill-no-zygote: `--no-zygote --spare-workers 0`; the new worker is a fresh interpreter.
 
-The clock: each probe is a fresh connection with a short timeout (a connection nobody
-accepts yet waits in the daemon's listen backlog); after a 200 the server side of that
-very connection is looked up among the daemon's children, so a 200 from a worker still
-draining does not count. Between two restarts the bench waits until /status shows the
-old worker reaped and the new one ready. Where a restart's time goes comes from the
-stamps the daemon publishes for each slot's `last_replacement` (reaped, forked, slot
+The clock: right after the event, one completion of one token on a fresh connection; its
+answer is the end (`answered_s`). Between two restarts the bench waits until /status
+shows the old worker reaped and the new one ready. Where a restart's time goes comes from
+the stamps the daemon publishes for each slot's `last_replacement` (reaped, forked, slot
 given, ready: wall clock of this machine) against the bench's own wall clock at the
 event. Cold start: `preload start --workers 1` launched to exit 0 (every worker ready),
 and to the API port's first /health 200. A worker's start stage by stage comes from
@@ -37,7 +36,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 
 from preload.bench.checkpoint import weight_bytes
 from preload.bench.driver import Daemon, free_port, http_get, running_daemon, wait_for
@@ -55,7 +53,7 @@ PROBE_TIMEOUT = 0.25  # seconds per /health probe
 PROBE_INTERVAL = 0.01
 RESTART_TIMEOUT = 120.0
 BREAKDOWN_KEYS = ("old_reaped_s", "event_to_forked_s", "event_to_promoted_s", "forked_to_ready_s",
-                  "promoted_to_ready_s", "go_to_ready_s", "ready_to_200_s", "next_spare_standby_s")
+                  "promoted_to_ready_s", "go_to_ready_s", "ready_to_answer_s", "next_spare_standby_s")
 
 
 # ---- a cold start ----------------------------------------------------------------------------
@@ -113,44 +111,21 @@ def cold_breakdown(status: dict, read_at: float, launched: float) -> dict:
 # ---- one restart -----------------------------------------------------------------------------
 
 
-def serving_pid(conn: http.client.HTTPConnection, port: int, candidates: list[int]) -> int | None:
-    """The process (one of `candidates`) holding the server side of `conn`."""
+def first_answer(d: Daemon, t0: float) -> float:
+    """Seconds from t0 to the answer of a one-token completion sent now (its front holds it
+    until the slot has a core that computes it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", d.api_port, timeout=RESTART_TIMEOUT)
     try:
-        local = conn.sock.getsockname()[1]
-    except (OSError, AttributeError):
-        return None
-    for pid in candidates:
-        try:
-            for c in psutil.Process(pid).net_connections(kind="tcp"):
-                if c.laddr and c.raddr and c.laddr.port == port and c.raddr.port == local:
-                    return pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def wait_new_worker_healthy(d: Daemon, old: int, t0: float) -> tuple[float, int, int]:
-    """Probe the API port until a /health 200 comes from a process other than `old`:
-    (seconds since t0, its pid, probes sent)."""
-    probes = 0
-    while time.perf_counter() < t0 + RESTART_TIMEOUT:
-        probes += 1
-        conn = http.client.HTTPConnection("127.0.0.1", d.api_port, timeout=PROBE_TIMEOUT)
-        try:
-            conn.request("GET", "/health")
-            response = conn.getresponse()
-            t = time.perf_counter()
-            response.read()
-            if response.status == 200:  # look it up while the connection is open
-                pid = serving_pid(conn, d.api_port, [c.pid for c in psutil.Process(d.pid).children()])
-                if pid is not None and pid != old:
-                    return t - t0, pid, probes
-        except (OSError, http.client.HTTPException):
-            pass
-        finally:
-            conn.close()
-        time.sleep(PROBE_INTERVAL)
-    raise TimeoutError(f"no /health 200 from a new worker within {RESTART_TIMEOUT:.0f} s\n{d.log_tail()}")
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}),
+                     {"content-type": "application/json"})
+        response = conn.getresponse()
+        t = time.perf_counter()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise RuntimeError(f"the completion after the restart failed: {response.status} {body[:500]!r}")
+    return t - t0
 
 
 def poll(d: Daemon, found, what: str, timeout: float = RESTART_TIMEOUT):
@@ -161,15 +136,15 @@ def poll(d: Daemon, found, what: str, timeout: float = RESTART_TIMEOUT):
     return value
 
 
-def settled(old: int, new: int):
-    """Slot 0 once `new` holds it, ready, and the daemon has reaped `old`."""
+def settled(old: int):
+    """Slot 0 once a new worker holds it, ready, and the daemon has reaped `old`."""
 
     def found(status: dict) -> dict | None:
         w = status["workers"][0]
         rep = w["last_replacement"] or {}
         reaped = rep.get("reaped") or rep.get("old_reaped")
-        if w["pid"] == new and w["state"] == "ready" and rep.get("new_pid") == new and rep.get("old_pid") == old \
-                and reaped and rep.get("ready"):
+        if w["pid"] not in (None, old) and w["state"] == "ready" and rep.get("new_pid") == w["pid"] \
+                and rep.get("old_pid") == old and reaped and rep.get("ready"):
             return w
         return None
 
@@ -194,10 +169,10 @@ def one_restart(d: Daemon, kind: str) -> dict:
     else:
         event, t0 = time.time(), time.perf_counter()
         os.kill(old["pid"], signal.SIGKILL)
-    seconds, new, probes = wait_new_worker_healthy(d, old["pid"], t0)
-    now = poll(d, settled(old["pid"], new), f"worker {old['pid']} -> {new} did not settle")
-    rep = now["last_replacement"]
-    rec = {"kind": kind, "seconds": seconds, "old_pid": old["pid"], "new_pid": new, "probes": probes,
+    seconds = first_answer(d, t0)
+    now = poll(d, settled(old["pid"]), f"worker {old['pid']} did not settle")
+    rep, new = now["last_replacement"], now["pid"]
+    rec = {"kind": kind, "seconds": seconds, "old_pid": old["pid"], "new_pid": new,
            "old_gone_and_status_ready_s": time.perf_counter() - t0, "cause": rep["cause"], "via": rep["via"],
            "old_kv_cache_bytes": old["kv_cache_bytes"], "new_kv_cache_bytes": now["kv_cache_bytes"],
            "zygote_renewed": d.status()["zygote_restarts"] > before["zygote_restarts"],
@@ -212,7 +187,7 @@ def one_restart(d: Daemon, kind: str) -> dict:
 def breakdown(rep: dict, event: float, seconds: float) -> dict:
     """Where one restart's time went, from a slot's last_replacement stamps: the event
     (wall clock) -> the daemon reaped the old worker; -> the new one forked, or a spare
-    given the slot (promoted); -> ready; the rest, to the first 200, is the HTTP side."""
+    given the slot (promoted); -> ready; the rest, to the answer, is the front and the request."""
     def gap(t0: float | None, t1: float | None) -> float | None:
         return None if t0 is None or t1 is None else t1 - t0
 
@@ -221,7 +196,7 @@ def breakdown(rep: dict, event: float, seconds: float) -> dict:
            f"event_to_{name}_s": gap(event, start),
            f"{name}_to_ready_s": gap(start, rep["ready"]),
            "go_to_ready_s": gap(rep["slot_given"], rep["ready"]),
-           "ready_to_200_s": gap(gap(event, rep["ready"]), seconds)}
+           "ready_to_answer_s": gap(gap(event, rep["ready"]), seconds)}
     if rep.get("old_signalled") is not None:  # a rolling restart: did the old worker drain before the new one took over?
         out["drained_first"] = rep["old_signalled"] < rep["slot_given"]
     return out
@@ -348,15 +323,16 @@ def format_table(result: dict) -> str:
     lines += ["", "where a restart's time goes (medians, seconds; from the daemon's /status stamps;"
                   " start = forked, or given the slot for a spare):"]
     widths = (14, 17, 7, 7, 11, 9, 12, 10, 10)
-    lines.append(row(("model", "kind", "p50", "p90", "old reaped", "->start", "start->ready", "ready->200",
+    lines.append(row(("model", "kind", "p50", "p90", "old reaped", "->start", "start->ready", "ready->answer",
                       "next spare"), widths))
     for r in result["models"]:
         for kind, k in r["restart"].items():
             b = k["breakdown_median"]
             spare = kind == "sigkill-spare"
+            answer = b.get("ready_to_answer_s", b.get("ready_to_200_s"))  # (runs before fronts: to a /health 200)
             lines.append(row((r["label"], kind, sec(k["seconds"]["p50"]), sec(k["seconds"]["p90"]),
                               sec(b["old_reaped_s"]), sec(b["event_to_promoted_s" if spare else "event_to_forked_s"]),
-                              sec(b["promoted_to_ready_s" if spare else "forked_to_ready_s"]), sec(b["ready_to_200_s"]),
+                              sec(b["promoted_to_ready_s" if spare else "forked_to_ready_s"]), sec(answer),
                               sec(b["next_spare_standby_s"])), widths))
     lines += ["", "a worker's start, stage by stage, in a fresh interpreter attached to the daemon (seconds):"]
     stages = ("imports_s", "cuda_context_s", "attach_s", "llm_total_s", "model_views_s", "engine_kv_cache_s",

@@ -266,6 +266,25 @@ def restart(restarts, cold_repeat, kinds, small, large, no_large, no_small, devi
     _report(result, format_table, json_path)
 
 
+@bench.command("failover")
+@model_option
+@click.option("--clients", default="8,64", show_default=True, help="Comma-separated numbers of concurrent clients.")
+@click.option("--kills", type=click.IntRange(1), default=20, show_default=True, help="SIGKILLs of the engine core.")
+@click.option("--max-tokens", type=click.IntRange(1), default=64, show_default=True, help="Tokens per completion.")
+@click.option("--spare-workers", type=click.IntRange(0), default=1, show_default=True,
+              help="Warm spare cores (0: the zygote forks each replacement).")
+@click.option("--speculative-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="MTP drafts a step (the checkpoint's MTP layer): kills land mid-drafting too.")
+@device_option
+@json_option("failover")
+def failover(model, clients, kills, max_tokens, spare_workers, speculative_tokens, device, json_path):
+    """Failover: clients' requests while the engine core is SIGKILLed again and again: failures, outputs, pauses."""
+    from preload.bench.failover import format_table, run_failover
+
+    _run(run_failover, format_table, json_path, _model_path(model), device, _int_list(clients, "--clients"), kills,
+         max_tokens, spare_workers, speculative_tokens)
+
+
 @bench.command("readopt")
 @model_option
 @click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Daemon SIGKILLs and starts.")

@@ -66,7 +66,7 @@ def test_bench_restart_end_to_end(tmp_path):
         [run] = model["restart"][kind]["runs"]
         assert run["new_pid"] != run["old_pid"] and 0 < run["seconds"] < run["old_gone_and_status_ready_s"]
         b = run["breakdown"]
-        assert b["old_reaped_s"] is not None and b["go_to_ready_s"] is not None and b["ready_to_200_s"] is not None
+        assert b["old_reaped_s"] is not None and b["go_to_ready_s"] is not None and b["ready_to_answer_s"] is not None
     assert model["restart"]["sigkill-spare"]["promoted"] == 1 and model["restart"]["sigkill"]["runs"][0]["via"] == "fork"
     assert model["cold"]["runs"][0]["breakdown"]["load_s"] > 0
     assert "error" not in model["worker_stages"]
