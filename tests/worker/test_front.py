@@ -43,6 +43,17 @@ def address(tmp_path):
     return core_address(tmp_path, 0)
 
 
+@pytest.fixture
+def cores():
+    """The cores a test starts; those still running at its end are killed (a failing test
+    leaves no process behind)."""
+    procs = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            kill(proc)
+
+
 def greedy(prompt, max_tokens=40) -> Sequence:
     return Sequence(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
@@ -76,8 +87,7 @@ def kill(proc) -> None:
     proc.wait()
 
 
-def test_a_core_killed_mid_stream_loses_nothing(address, want):
-    cores = []
+def test_a_core_killed_mid_stream_loses_nothing(address, want, cores):
 
     async def main():
         client, reader = await serving(address, cores)
@@ -93,15 +103,12 @@ def test_a_core_killed_mid_stream_loses_nothing(address, want):
         return got, client
 
     (tokens, text, pieces), client = asyncio.run(main())
-    for proc in cores[1:]:
-        kill(proc)
     whole = want(PROMPT)
     assert tokens == whole.token_ids and text == whole.text
     assert client.cores_lost == 1 and len(cores) == 2
 
 
-def test_a_rolling_restarts_core_takes_over_from_a_live_one(address, want):
-    cores = []
+def test_a_rolling_restarts_core_takes_over_from_a_live_one(address, want, cores):
 
     async def main():
         client, reader = await serving(address, cores)
@@ -122,13 +129,11 @@ def test_a_rolling_restarts_core_takes_over_from_a_live_one(address, want):
         return got, client, taken_at
 
     (tokens, text, _), client, taken_at = asyncio.run(main())
-    kill(cores[1])
     assert taken_at and taken_at[0] < 120  # (the new core computed the rest)
     assert tokens == want(PROMPT, 120).token_ids and client.cores_lost == 0
 
 
-def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch):
-    cores = []
+def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch, cores):
 
     async def main():
         client, reader = await serving(address, cores, poison=POISON)
@@ -148,18 +153,15 @@ def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch)
         return results
 
     pill, first, second = asyncio.run(main())
-    for proc in cores:
-        if proc.poll() is None:
-            kill(proc)
     assert isinstance(pill, RequestFailed) and re.search(r"died [34] times", str(pill)) and "alone" in str(pill)
     assert first[0] == want(PROMPT).token_ids and second[0] == want([9, 8, 7], 30).token_ids
     assert len(cores) >= 4  # the pill killed three at least (the last with it alone); the last one serves
 
 
-def test_a_new_front_finds_the_slots_core_again(address, want):
+def test_a_new_front_finds_the_slots_core_again(address, want, cores):
     async def main():
         client, reader = await started(address)
-        core = await asyncio.to_thread(start_core, address)
+        cores.append(await asyncio.to_thread(start_core, address))
         await asyncio.wait_for(client.hello.wait(), 60)
         await read(client, greedy(PROMPT, 4))
         reader.cancel()
@@ -169,19 +171,19 @@ def test_a_new_front_finds_the_slots_core_again(address, want):
         got = await read(again, greedy(PROMPT))
         reader.cancel()
         again.close()
-        return core, got
+        return got
 
-    core, (tokens, _, _) = asyncio.run(main())
-    kill(core)
+    tokens, _, _ = asyncio.run(main())
     assert tokens == want(PROMPT).token_ids
 
 
-def test_requests_fail_when_no_core_comes_back(address, monkeypatch):
+def test_requests_fail_when_no_core_comes_back(address, monkeypatch, cores):
     monkeypatch.setattr(front_module, "CORE_WAIT", 1.0)
 
     async def main():
         client, reader = await started(address)
         core = await asyncio.to_thread(start_core, address)
+        cores.append(core)
         await asyncio.wait_for(client.hello.wait(), 60)
 
         async def each(tokens):
@@ -212,11 +214,10 @@ def test_the_channel_is_the_owners_alone(address):
     assert not os.path.exists(path) or os.stat(path).st_mode & 0o077 == 0
 
 
-def test_a_silent_core_is_not_answering_before_its_requests_give_up(address, monkeypatch):
+def test_a_silent_core_is_not_answering_before_its_requests_give_up(address, monkeypatch, cores):
     """/health (answering) turns at CORE_SILENCE; requests are still taken (alive) until CORE_WAIT."""
     monkeypatch.setattr(front_module, "CORE_SILENCE", 0.5)
     monkeypatch.setattr(front_module, "CORE_WAIT", 3.0)
-    cores = []
 
     async def main():
         client, reader = await serving(address, cores)
