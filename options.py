@@ -93,6 +93,9 @@ class EngineOptions:
     kv_cache_dtype: str = option("auto", "auto: the model's dtype; fp8: e4m3 with a scale per cached vector.",
                                  choices=KV_CACHE_DTYPES)
     block_size: int = option(16, "Tokens per KV cache block.", bounds=(1, 1024))
+    max_model_len: int | None = option(
+        None, "Prompt + output tokens of one request at most [default: the model's context, or what the KV cache holds].",
+        bounds=(1, None))
     max_num_seqs: int = option(256, "Sequences admitted (holding KV cache blocks) at most.", bounds=(1, None))
     max_num_batched_tokens: int = option(2048, "Tokens one engine step computes at most.", bounds=(1, None))
     max_num_active_seqs: int | None = option(
@@ -122,7 +125,29 @@ class EngineOptions:
 class WorkerOptions:
     """What every engine worker runs with: its engine and its HTTP face."""
 
-    served_model_name: str | None = option(None, "Model id in the API [default: the checkpoint dir's name].")
+    served_model_name: tuple[str, ...] = option(
+        (), "Model id in the API (repeatable: each is served, the first is the one responses name) [default: the"
+        " checkpoint dir's name].")
+    api_key: str | None = option(
+        None, "Clients must send `Authorization: Bearer KEY` to /v1/* (/health and /metrics stay open); also read from"
+        " $PRELOAD_API_KEY or $VLLM_API_KEY, which keeps it off the command line others can see in ps.")
+    allowed_origins: tuple[str, ...] = option(
+        (), "CORS: origins whose browser pages may call the API (repeatable; * for any) [default: none, no CORS headers].")
+    allowed_methods: tuple[str, ...] = option((), "CORS: methods allowed (repeatable) [default: *, with --allowed-origins].")
+    allowed_headers: tuple[str, ...] = option((), "CORS: headers allowed (repeatable) [default: *, with --allowed-origins].")
+    allow_credentials: bool = option(False, "CORS: let browsers send credentials.")
+    chat_template: Path | None = option(None, "A jinja chat template file to render chats with instead of the checkpoint's.")
+    enable_auto_tool_choice: bool = option(
+        False, "Serve tool_choice \"auto\": the model's tool calls found in its text by --tool-call-parser.")
+    tool_call_parser: str | None = option(
+        None, "How the model writes tool calls: hermes (<tool_call>{...}</tool_call>) or deepseek_v3 (the format of"
+        " DeepSeek-V3's and R1's chat templates).", choices=("hermes", "deepseek_v3"))
+    reasoning_parser: str | None = option(
+        None, "deepseek_r1: the reply's <think>...</think> part is returned as reasoning_content, apart from content.",
+        choices=("deepseek_r1",))
+    vllm_metrics: bool = option(
+        False, "Also export /metrics under vLLM's names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...), for"
+        " dashboards, autoscalers and gateways that read those.")
     drain_timeout: float = option(30.0, "Seconds to finish in-flight requests on SIGTERM.", bounds=(0, None))
     max_request_bytes: int = option(4 << 20, "Largest request body.", parse=parse_size, show=show_size)
     trust_request_chat_template: bool = option(
@@ -164,7 +189,7 @@ class DaemonOptions:
     health_port: int = option(8001, "Port of /health, /status and /metrics.", bounds=(0, 65535))
     allow_uid: tuple[int, ...] = option((), "Also let this uid attach (repeatable).")
     allow_gid: tuple[int, ...] = option((), "Also let members of this gid attach (repeatable).")
-    workers: int = option(0, "Engine workers to run and supervise (0: hold the weights only).", bounds=(0, 64))
+    workers: int = option(1, "Engine workers to run and supervise (0: hold the weights only).", bounds=(0, 64))
     spare_workers: int | None = option(
         None, "Warm spare workers that take over a dead worker's slot at once [default: 1 on a GPU, 0 on CPU].",
         bounds=(0, 8))

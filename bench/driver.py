@@ -126,6 +126,8 @@ def start_daemon(state_dir: Path, model: Path | None, *extra, port: int | None =
     DaemonError with its output and the end of its log (and leaves nothing running)."""
     port = port or free_port()
     args = ["start", "--state-dir", state_dir, "--health-port", port, *extra]
+    if "--workers" not in extra:  # (the command's default is one worker; a bench asks for what it measures)
+        args += ["--workers", 0]
     if model is not None:
         args += ["--model", model]
     if api_port is not None:

@@ -10,7 +10,7 @@ same bytes decide it, and neither writes memory. Masking the sign off first (AND
 max) wrote a temporary as large as the chunk: on the 2-core CPU machine the two reductions
 are 10-30% faster (0.15-0.25 s -> 0.13-0.18 s over V2-Lite-mini's 1.2 GB, three runs); on
 the H200 host, 16 threads at once, both run at the memory's speed, as fast as BLAKE3
-(scripts/probe_chunks.py, results/probe-chunks-*.json).
+(scripts/probe_chunks.py, results/probes/probe-chunks-*.json).
 """
 
 from __future__ import annotations

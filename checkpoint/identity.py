@@ -46,7 +46,7 @@ def digest(parts: list[tuple[str, memoryview]], visit: Callable[[int, int, memor
     pass over memory. Chunking does not change the digest. One thread hashes: the loaders
     run one per core, each on its own tensors; BLAKE3's own threads beside them (a tensor of
     4 MiB or more was hashed by all cores) made the H200 load V2-Lite in 4.05 s against 3.06
-    s (results/cold-v2lite-hash-*-h200.json); likely each chunk was then checked and copied
+    s (results/cold/cold-v2lite-hash-*-h200.json); likely each chunk was then checked and copied
     from other cores' caches."""
     h = blake3(max_threads=1)
     for index, (description, data) in enumerate(parts):

@@ -55,8 +55,8 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """What one token reads as on its own (for log-prob listings)."""

@@ -99,7 +99,7 @@ def bench() -> None:
 @click.option("--quant", default=",".join(QUANT_MODES), show_default=True, callback=_quant_list,
               help="Comma-separated quant modes to start the daemon with.")
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Runs per measurement.")
-@click.option("--workers", type=click.IntRange(0, 64), default=DaemonOptions().workers, show_default=True,
+@click.option("--workers", type=click.IntRange(0, 64), default=0, show_default=True,
               help="Engine workers to start with (`preload start` then returns once they are ready).")
 @device_option
 @click.option("--evict", is_flag=True, help="Drop the checkpoint from the page cache before the first read.")

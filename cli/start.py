@@ -33,10 +33,16 @@ LOG_BYTES, LOG_BACKUPS = protocol.LOG_BYTES, protocol.LOG_BACKUPS  # daemon.log,
 
 
 @click.command()
+@click.argument("model_dir", metavar="[MODEL]", required=False, type=click.Path(path_type=Path))
 @options_of(DaemonOptions)
 @click.option("--foreground", is_flag=True, help="Run in this process instead of returning once ready.")
-def start(foreground, **params):
-    """Load a checkpoint once and keep its weights resident for workers to attach."""
+def start(model_dir, foreground, **params):
+    """Load the checkpoint MODEL (a directory; or --model, as `vllm serve MODEL` takes
+    either) once, keep its weights resident, and serve it with --workers engine workers."""
+    if model_dir is not None:
+        if params["model"] is not None and params["model"] != model_dir:
+            raise click.UsageError(f"two models: MODEL {model_dir} and --model {params['model']}; give one")
+        params["model"] = model_dir
     options = build(DaemonOptions, params, create_state_dir=True)
     try:  # before anything is written there: a state dir is ours, or nothing happens
         prepare_state_dir(options.state_dir, bool(options.allow_uid or options.allow_gid))
@@ -176,9 +182,7 @@ def _start_in_background(options: DaemonOptions) -> int:
             elif "ready" in msg:
                 if bar:
                     bar.close()
-                workers = f", {msg['workers']} workers on port {msg['port']}" if msg.get("workers") else ""
-                click.echo(f"preload daemon ready (pid {msg['pid']}) in {time.time() - began:.2f} s (weights loaded in"
-                           f" {msg['seconds']:.2f} s) on {state_dir}{workers}, health port {msg.get('health_port')}")
+                click.echo(ready_line(msg, time.time() - began, state_dir, options.host))
                 return 0
             elif "error" in msg:
                 if bar:
@@ -190,3 +194,13 @@ def _start_in_background(options: DaemonOptions) -> int:
     click.echo(f"preload: the daemon exited with status {code} before it was ready; see {log_path}", err=True)
     return 1
 
+
+
+def ready_line(msg: dict, seconds: float, state_dir: Path, host: str) -> str:
+    """What `preload start` prints once ready: where the API answers (or that no worker
+    serves one), and where the daemon is."""
+    n = msg.get("workers") or 0
+    where = f"http://{'[' + host + ']' if ':' in host else host}:{msg['port']}/v1"
+    serving = f"serving {where} ({n} worker{'s' if n != 1 else ''})" if n else "holding the weights only (--workers 0)"
+    return (f"preload daemon ready (pid {msg['pid']}) in {seconds:.2f} s (weights loaded in {msg['seconds']:.2f} s), "
+            f"{serving}; state dir {state_dir}, health port {msg.get('health_port')}")

@@ -2,7 +2,7 @@
 
 A copy from pageable memory (the file's mapping) goes through the driver's own staging,
 which on the H200 host moved 6.9 GB/s however many threads asked (scripts/probe_load.py,
-results/probe-load-h200.json), as slow as `cat`. Here each loader thread has two pinned
+results/probes/probe-load-h200.json), as slow as `cat`. Here each loader thread has two pinned
 buffers and a stream: a chunk is copied into one buffer (memmove, the GIL released) and
 sent from there while the thread hashes the next chunk; a buffer is refilled only once
 the copy out of it is done (an event). The copies of all threads run at once. A tensor

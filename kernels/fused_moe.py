@@ -140,7 +140,7 @@ def block_rows(pairs: int, num_experts: int) -> int:
     """Rows (token, expert) pairs a block of one expert takes: few while decoding, where
     each expert sees a handful of rows and the weights' reading is all the work; 128 once
     experts average that many (a 2048-token step of V2-Lite: 192), where the product is
-    the work (results/moe-prefill-tiles-h200.json)."""
+    the work (results/kernels/moe-prefill-tiles-h200.json)."""
     if pairs <= 8 * num_experts:
         return 16
     if pairs <= 32 * num_experts:
@@ -160,11 +160,11 @@ def tile_config(block_m: int, pairs: int, fp8: bool, swiglu: bool = True, fp8_ac
     inside CUDA graphs (64 experts, top 6, 2048 x 1408, 1 to 256 tokens, results/
     moe-tiles-h200.json): K tiles of 128 read the weights fastest in every case; at one
     token e4m3 wants 8 warps (gate/up and down 38 us a layer against 59 before). For a
-    prefill (2048 and 8192 tokens, results/moe-prefill-tiles-h200.json) blocks of 128 rows
+    prefill (2048 and 8192 tokens, results/kernels/moe-prefill-tiles-h200.json) blocks of 128 rows
     with 8 warps: gate/up 407 and 511 TFLOP/s, down 325 and 391 (230 and 224 with the
     64 x 64 tiles before). With fp8 activations a K tile is one scale group (128), and
     blocks of 64 rows with 8 warps (gate/up 412 and 474, down 432 and 446; blocks of 128
-    rows 155 and 201 for gate/up: results/moe-prefill-act-tiles-h200.json)."""
+    rows 155 and 201 for gate/up: results/kernels/moe-prefill-act-tiles-h200.json)."""
     if fp8_act:
         return {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
     if block_m == 128:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it
     from preload.kernels.attention import Pools
 
 # Swept on an H200 inside CUDA graphs at V2-Lite's shapes (16 heads, rank 512), batch 1 to
-# 256, contexts 1k and 8k (results/moe-tiles-h200.json, "mla"): short steps of the loop
+# 256, contexts 1k and 8k (results/kernels/moe-tiles-h200.json, "mla"): short steps of the loop
 # and short splits keep more loads in flight; 4 warps beat 8 everywhere but at batch 1.
 BLOCK_H = 16  # heads per program: the smallest tile a tensor-core dot takes
 MIN_SPLIT = 16  # tokens a split covers at least (batch 1, 1k context: 5.9 us against 11.7 with 64)

@@ -34,7 +34,7 @@ from preload.kernels.split_k import combine_splits, counters, partials, row_dot
 # Tokens up to which a step's MoE takes this path, by whether the weights are e4m3: each
 # token's slots re-read their experts' matrices, so past a few tokens the grouped GEMMs,
 # which read each expert once, win (H200, V2-Lite: 4 tokens 76 us vs 96 in e4m3, 126 vs
-# 116 in bf16; results/moe-decode-h200.json).
+# 116 in bf16; results/kernels/moe-decode-h200.json).
 MAX_TOKENS = {False: 2, True: 4}
 BLOCK_K = 128  # one scale block's width: a K tile never straddles two scales
 
@@ -134,7 +134,7 @@ def fits(tokens: int, gate: Weight, up: Weight, down: Weight, shared: tuple[Weig
 def tile_config(tokens: int, fp8: bool) -> dict:
     """Columns per program, K slices per slot, K tiles per iteration and warps. Swept on an
     H200 at V2-Lite's shapes inside CUDA graphs (`scripts/sweep_kernels.py --moe-decode`,
-    results/moe-decode-h200.json). e4m3 rows are half as many bytes: wider blocks of
+    results/kernels/moe-decode-h200.json). e4m3 rows are half as many bytes: wider blocks of
     columns keep as many in flight; one token has fewer programs, so more K slices."""
     if fp8:
         return {"block_n": 64, "splits": 4 if tokens == 1 else 2, "sub": 4, "num_warps": 4}

@@ -231,7 +231,7 @@ class Daemon:
                     if not (pid.isdigit() and psutil.pid_exists(int(pid))):
                         f.unlink()
                 os.environ[MULTIPROC_ENV] = str(metrics_dir)
-                self.metrics.read_workers(metrics_dir)
+                self.metrics.read_workers(metrics_dir, vllm_names=o.worker.vllm_metrics)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu")
@@ -267,7 +267,7 @@ class Daemon:
             notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
                     "workers": o.workers, "port": self.ports["api"], "health_port": self.ports["health"]})
             systemd.notify(READY="1", MAINPID=str(os.getpid()),
-                           STATUS=f"ready: {o.workers} workers on port {self.ports['api']}, fingerprint {fp}")
+                           STATUS=f"ready: {o.workers} worker{'s' if o.workers != 1 else ''} on port {self.ports['api']}, fingerprint {fp}")
             while not self.stop_requested.wait(0.5):
                 pass
             self.state = "stopping"

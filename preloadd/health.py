@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from preload.ipc.exposition import Exposition
 from preload.preloadd.state_dir import MULTIPROC_ENV
 
 
@@ -31,10 +32,13 @@ class DaemonMetrics:
         self.errors = Counter("preload_errors", "Refused or malformed control requests", registry=self.registry)
         self.attached = Gauge("preload_attached_clients", "Clients attached now", registry=self.registry)
 
-    def read_workers(self, directory: Path) -> None:
+    def read_workers(self, directory: Path, vllm_names: bool = False) -> None:
         """Also expose the workers' series (their files in `directory`): /metrics on the
-        daemon's port then serves the same sums as the API port does."""
-        MultiProcessCollector(self.registry, path=str(directory))
+        daemon's port then serves the same sums as the API port does, under vLLM's names
+        too when its workers export those (`vllm_names`: they run with --vllm-metrics,
+        which the daemon's workers all share), so that a scraper pointed at either port
+        sees the same series."""
+        self.registry.register(Exposition(MultiProcessCollector(None, path=str(directory)), vllm_names))
 
 
 def worker_gone(pid: int) -> None:

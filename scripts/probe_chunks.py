@@ -4,7 +4,7 @@ and the three fused as copy_loader runs them (hash, check, copy into a buffer of
 thread's), with the check and copy per chunk of 8 MiB or per smaller piece of it while the
 piece is still in the core's cache. On one checkpoint's files, page cache warm.
 
-On the H200 host (16 threads, V2-Lite, results/probe-chunks-m2-h200.json) each pass alone runs
+On the H200 host (16 threads, V2-Lite, results/probes/probe-chunks-m2-h200.json) each pass alone runs
 at 57-72 GB/s and the three fused per 8 MiB at 22 GB/s; per 1 MiB or 256 KiB piece it is 3x
 and 8x slower: the calls per piece, each taking the GIL, cost more than the cache saves.
 Hence identity.CHUNK_BYTES.

@@ -8,8 +8,8 @@ and from the same mapping registered with the driver (pinned in place, no stagin
 
     python3 scripts/probe_load.py DIR [THREADS]   (preload importable; the GPU parts need CUDA)
 
-Figures from the H200 are in results/probe-load-h200.json, from the 2-core CPU machine in
-results/probe-load-mini-cpu.json.
+Figures from the H200 are in results/probes/probe-load-h200.json, from the 2-core CPU machine in
+results/probes/probe-load-mini-cpu.json.
 """
 
 import json

@@ -8,8 +8,8 @@ populate (a fault per page). Two writer threads, 8 MiB at a time.
     python3 scripts/probe_memfd_write.py FILE [RUNS]
 
 On the 2-core CPU machine (V2-Lite-mini, 1.15 GB) all are within noise of each other:
-4.9-8.6x `cat` one day (the first three; results/probe-memfd-write-mini-cpu.json), 4.0-5.6x
-another (all four; results/probe-memfd-write-mini-cpu-2.json): the fresh pages are the cost,
+4.9-8.6x `cat` one day (the first three; results/probes/probe-memfd-write-mini-cpu.json), 4.0-5.6x
+another (all four; results/probes/probe-memfd-write-mini-cpu-2.json): the fresh pages are the cost,
 not how they are written, nor their zeroing.
 """
 

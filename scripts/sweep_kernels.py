@@ -6,7 +6,7 @@ the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's 
 (`--prefill [--act]`) the grouped expert GEMMs at a prefill's thousands of tokens (`--act`:
 with e4m3 activations, fp8_act.py).
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
-Its output on an H200 is results/moe-tiles-h200.json; the choices it led to are in
+Its output on an H200 is results/kernels/moe-tiles-h200.json; the choices it led to are in
 fused_moe.tile_config, mla_decode (MIN_SPLIT, block_n) and fused_router.MIN_SPLIT_D.
 
 Compile every variant first in parallel (Triton's disk cache keeps them), then time:

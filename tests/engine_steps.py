@@ -16,11 +16,11 @@ def run_to_end(engine, seqs: list[Sequence], each_step=None) -> dict[int, Output
     for seq in seqs:
         engine.check(seq)
         engine.add(seq)
-    texts = {seq.id: (seq, OutputText(engine.tokenizer, seq.params.stop)) for seq in seqs}
+    texts = {seq.id: (seq, OutputText(engine.tokenizer, seq.params)) for seq in seqs}
     outputs: dict[int, list[Output]] = {seq.id: [] for seq in seqs}
     while engine.has_work():
         for seq in engine.scheduler.waiting:  # (where each_step's additions are, before their first step)
-            texts.setdefault(seq.id, (seq, OutputText(engine.tokenizer, seq.params.stop)))
+            texts.setdefault(seq.id, (seq, OutputText(engine.tokenizer, seq.params)))
         for out in with_text(engine, texts, engine.step()):
             outputs[out.seq_id].append(out)
         if each_step is not None:

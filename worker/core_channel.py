@@ -84,14 +84,23 @@ def params_from_wire(d: dict) -> SamplingParams:
 
 
 def output_to_wire(o: Output) -> list:
-    tops = [list(t.items()) for t in o.top_logprobs]
-    return [o.seq_id, o.token_ids, o.logprobs, tops, o.prompt_logprobs, o.finish_reason, o.error]
+    prompt_tops = None if o.prompt_top_logprobs is None else [_pairs(t) for t in o.prompt_top_logprobs]
+    return [o.seq_id, o.token_ids, o.logprobs, [_pairs(t) for t in o.top_logprobs], o.prompt_logprobs, o.finish_reason,
+            o.error, o.prompt_ranks, prompt_tops, o.cached_tokens]
 
 
 def output_from_wire(w: list) -> Output:
-    seq_id, tokens, logprobs, tops, prompt_logprobs, finish, error = w
-    return Output(seq_id, list(tokens), list(logprobs), [dict((int(i), lp) for i, lp in t) for t in tops], "", finish,
-                  prompt_logprobs, error)
+    seq_id, tokens, logprobs, tops, prompt_logprobs, finish, error, prompt_ranks, prompt_tops, cached = w
+    return Output(seq_id, list(tokens), list(logprobs), [_dict(t) for t in tops], "", finish, prompt_logprobs, error,
+                  prompt_ranks, None if prompt_tops is None else [_dict(t) for t in prompt_tops], cached)
+
+
+def _pairs(top: dict[int, float] | None) -> list | None:
+    return None if top is None else list(top.items())  # (msgpack keeps no int keys)
+
+
+def _dict(pairs: list | None) -> dict[int, float] | None:
+    return None if pairs is None else {int(i): lp for i, lp in pairs}
 
 
 def stats_to_wire(s: EngineStats) -> list:

@@ -123,7 +123,7 @@ class CoreClient:
             self._send(req.core, {"t": "abort", "id": seq.id})
 
     async def _outputs(self, seq: Sequence) -> AsyncIterator[Output]:
-        req = Request(seq, asyncio.Queue(), OutputText(self.tokenizer, seq.params.stop))
+        req = Request(seq, asyncio.Queue(), OutputText(self.tokenizer, seq.params))
         self.requests[seq.id] = req
         self._dispatch()
         finished = False
@@ -216,7 +216,7 @@ class CoreClient:
             seq = req.seq
             if out.prompt_logprobs is not None:
                 if req.scored:
-                    out.prompt_logprobs = None
+                    out.prompt_logprobs = out.prompt_ranks = out.prompt_top_logprobs = None
                 req.scored = True
             seq.output.extend(out.token_ids)
             req.cleared += len(out.token_ids)
@@ -269,7 +269,7 @@ class CoreClient:
 
     def _start(self, req: Request) -> None:
         seq = req.seq
-        params = replace(seq.params, prompt_logprobs=False) if req.scored else seq.params
+        params = replace(seq.params, prompt_logprobs=None) if req.scored else seq.params
         req.core = self.core
         self._send(self.core, {"t": "add", "id": seq.id, "prompt": seq.prompt, "output": list(seq.output),
                                "params": params_to_wire(params)})

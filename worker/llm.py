@@ -38,6 +38,7 @@ class Completion:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None  # "stop" (end of sequence, stop token or string) or "length"
 
 
@@ -173,24 +174,26 @@ class LLM:
         top_p: float = 1.0,
         seed: int | None = None,
         logprobs: bool | int = False,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: bool | int = False,
         **sampling,
     ) -> list[Completion]:
         """Generate for every prompt together (continuous batching). `logprobs`: True
         for the chosen tokens' log-probs, an int n for the n most likely as well
-        (`Completion.top_logprobs`). Further SamplingParams fields (top_k, stop, ...)
+        (`Completion.top_logprobs`); `prompt_logprobs` likewise, for the prompt's tokens
+        (`Completion.prompt_top_logprobs`). Further SamplingParams fields (top_k, stop, ...)
         pass through `sampling`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         n_top = None if logprobs is False else (0 if logprobs is True else int(logprobs))
+        n_prompt = None if prompt_logprobs is False else (0 if prompt_logprobs is True else int(prompt_logprobs))
         params = SamplingParams(max_tokens, temperature, top_p, seed=seed, logprobs=n_top,
-                                prompt_logprobs=prompt_logprobs, **sampling)
+                                prompt_logprobs=n_prompt, **sampling)
         seqs = [Seq(self._prompt_ids(p), params) for p in prompts]
         for seq in seqs:  # all of them before any is queued
             self.engine.check(seq)
         for seq in seqs:
             self.engine.add(seq)
-        texts = {seq.id: (seq, OutputText(self.tokenizer, params.stop)) for seq in seqs}
+        texts = {seq.id: (seq, OutputText(self.tokenizer, params)) for seq in seqs}
         outputs: dict[int, list[Output]] = {seq.id: [] for seq in seqs}
         while self.engine.has_work():
             for out in with_text(self.engine, texts, self.engine.step()):
@@ -207,6 +210,7 @@ class LLM:
                 logprobs=result.logprobs if n_top is not None else None,
                 top_logprobs=result.top_logprobs if n_top else None,
                 prompt_logprobs=seq.prompt_logprobs,
+                prompt_top_logprobs=seq.prompt_top_logprobs,
                 finish_reason=result.finish_reason,
             )
             for seq, result in zip(seqs, results)

@@ -55,7 +55,7 @@ WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up prompt nee
 # prompt needs. (One token would be a decode step, replayed in a graph: on a lazy start it
 # captures the batch-1 graph instead, which the idle engine does anyway once ready. H200,
 # V2-Lite: a first request of 32 tokens took 0.16 s after this warm-up, 0.22 s after the
-# one-token one, and the worker was ready as soon: results/cold-v2lite-w1-early-zygote-*.)
+# one-token one, and the worker was ready as soon: results/cold/cold-v2lite-w1-early-zygote-*.)
 WARM_UP_PROMPT = [0, 0]
 
 
@@ -72,7 +72,8 @@ def kv_cache_bytes(opts: ServeOptions, llm: LLM) -> int:
     share = kv_cache_share(cfg, llm.device, weights, e.max_num_batched_tokens, opts.workers, opts.spares,
                            e.gpu_memory_utilization)
     # More than every sequence at full length is never used (and a small model would get millions of blocks).
-    useful = e.max_num_seqs * cfg.max_position_embeddings * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
+    context = min(cfg.max_position_embeddings, e.max_model_len or cfg.max_position_embeddings)
+    useful = e.max_num_seqs * context * bytes_per_token(cfg, cfg.num_layers, llm.dtype, e.kv_cache_dtype)
     return min(share, useful)
 
 
@@ -128,7 +129,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None) -> None:
     state = WorkerState()
     llm = open_weights(opts, state, supervised=False, lazy_graphs=False)
     log.info("weights attached in %.3f s", time.monotonic() - state.started)
-    name = w.served_model_name or Path(llm.attached.manifest.model if llm.attached else opts.model).name
+    name = Path(llm.attached.manifest.model if llm.attached else opts.model).name  # (unless --served-model-name)
     engine = AsyncEngine(llm.engine, on_fatal=lambda: setattr(server, "should_exit", True))
 
     async def warm_up() -> None:
@@ -143,7 +144,7 @@ def serve(opts: ServeOptions, sock: socket.socket | None = None) -> None:
         yield
         warming.cancel()
 
-    app = create_app(engine, llm.tokenizer, name, state, w.trust_request_chat_template, lifespan)
+    app = create_app(engine, llm.tokenizer, name, state, w, lifespan)
     server = DrainingServer(http_config(app, w), state, engine, w.drain_timeout, shared_socket=False)
     llm.start_engine(replace(w.engine, kv_cache_memory=kv_cache_bytes(opts, llm)))
     engine.use(llm.engine)
@@ -190,7 +191,7 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     link.kv_fd = memory.fd
     link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
                   "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2])}
-    name = w.served_model_name or Path(llm.attached.manifest.model).name
+    name = Path(llm.attached.manifest.model).name  # the checkpoint's; a front serves --served-model-name if given
     core = Core(llm, core_address(opts.state_dir, slot), hello_of(llm, name, link.takeover), w.drain_timeout)
     link.report("ready", fds=(link.kv_fd,), **link.claim)
     mark_ready(state)
@@ -216,8 +217,7 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
             await client.hello.wait()
             link.claim = {"role": "front", "fingerprint": client.info["fingerprint"],
                           "listen": list(sock.getsockname()[:2])}  # (what a new daemon is told of us)
-            name = w.served_model_name or client.info["model"]
-            app = create_app(client, client.tokenizer, name, state, w.trust_request_chat_template)
+            app = create_app(client, client.tokenizer, client.info["model"], state, w)
             app.state.serving.metrics.worker = str(slot)
             server = DrainingServer(http_config(app, w), state, client, w.drain_timeout, shared_socket=True)
             freeze_objects()

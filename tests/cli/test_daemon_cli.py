@@ -291,7 +291,7 @@ def test_port_zero_reports_the_real_ports_and_status_answers_while_loading(tiny_
     `preload status` during the load (no control socket yet) reads /status over HTTP."""
     with running_daemon(tmp_path / "state", tiny_checkpoint, "--workers", "1", "--port", "0", "--dtype", "float32") as d:
         line = d.start.stdout
-        api_port = int(re.search(r"workers on port (\d+)", line).group(1))
+        api_port = int(re.search(r"serving http://127\.0\.0\.1:(\d+)/v1 \(1 worker\)", line).group(1))
         assert api_port > 0 and f"health port {d.port}" in line and re.search(r"ready \(pid \d+\) in [\d.]+ s", line)
         status = json.loads(preload("status", "--state-dir", str(d.state_dir), "--json").stdout)
         assert status["port"] == api_port and status["health_port"] == d.port

@@ -69,7 +69,7 @@ def test_daemon_log_rotates_and_stays_bounded(tmp_path, monkeypatch, root_loggin
 def failed_start(state_dir, *args):
     """`preload start` that must fail; its stderr and the ERROR lines of its daemon.log."""
     try:
-        r = preload("start", "--state-dir", state_dir, *args)
+        r = preload("start", "--state-dir", state_dir, *(() if "--workers" in args else ("--workers", 0)), *args)
         assert r.returncode != 0, r.stdout + r.stderr
         assert sockets_in(state_dir) == [] and daemon_processes(state_dir) == []
     finally:

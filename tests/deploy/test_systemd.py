@@ -99,7 +99,7 @@ def test_the_daemon_tells_systemd_when_it_is_ready_and_when_it_stops(tiny_checkp
         while not any("READY=1" in m for m in messages):
             messages.append(listener.recv(4096).decode())
         ready = next(m for m in messages if "READY=1" in m)
-        assert f"MAINPID={proc.pid}" in ready and "STATUS=ready: 1 workers" in ready, ready
+        assert f"MAINPID={proc.pid}" in ready and "STATUS=ready: 1 worker on" in ready, ready
         assert preload("status", "--state-dir", str(state)).returncode == 0  # ready means ready
         preload("stop", "--state-dir", str(state))
         assert "STOPPING=1" in listener.recv(4096).decode()

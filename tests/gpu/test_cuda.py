@@ -37,7 +37,7 @@ def daemon(tmp_path, model_dir):
         state = tmp_path / f"state-{quant}-{transport}"
         port = 18500 + len(started)
         r = run_preload("start", "--model", str(model_dir), "--device", "cuda:0", "--quant", quant,
-                        "--transport", transport, "--state-dir", str(state), "--health-port", str(port))
+                        "--transport", transport, "--state-dir", str(state), "--health-port", str(port), "--workers", "0")
         assert r.returncode == 0, r.stderr
         started.append(state)
         return state
@@ -159,7 +159,7 @@ def test_the_daemon_knows_a_gpu_by_the_uuid_torch_gives_it():
 def test_second_daemon_on_the_same_gpu_is_refused(daemon, tmp_path, model_dir):
     daemon()
     r = run_preload("start", "--model", str(model_dir), "--device", "cuda:0", "--state-dir", str(tmp_path / "other"),
-                    "--health-port", "18598")
+                    "--health-port", "18598", "--workers", "0")
     assert r.returncode != 0 and "another preload daemon" in r.stderr
 
 
@@ -171,7 +171,8 @@ def test_device_memory_returns_after_stop(tmp_path, model_dir):
 
     before = used()
     state = tmp_path / "mem"
-    r = run_preload("start", "--model", str(model_dir), "--device", "cuda:0", "--state-dir", str(state), "--health-port", "18599")
+    r = run_preload("start", "--model", str(model_dir), "--device", "cuda:0", "--state-dir", str(state), "--health-port", "18599",
+                    "--workers", "0")
     assert r.returncode == 0, r.stderr
     assert used() > before
     run_preload("stop", "--state-dir", str(state))

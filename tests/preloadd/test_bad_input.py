@@ -209,7 +209,8 @@ class FailedStart:
     def __init__(self, model: Path, expect: Expect, state_dir: Path, port: int):
         self.model, self.expect, self.state_dir, self.port = model, expect, state_dir, port
         self.proc = subprocess.Popen(
-            [PRELOAD, "start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", str(port)],
+            [PRELOAD, "start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", str(port),
+             "--workers", "0"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

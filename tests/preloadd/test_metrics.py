@@ -1,7 +1,8 @@
 """Metrics that hold with several workers: every worker writes its series to the daemon's
 multiprocess directory, so /metrics on the shared API port (whichever worker answers)
 and on the daemon's own port give the same exact sums, and a counter never goes down,
-not even when a worker is killed and replaced."""
+not even when a worker is killed and replaced. With --vllm-metrics, both ports carry the
+same series under vLLM's names too (renamed from what is read from the files)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import httpx
 import psutil
 from daemons import free_port, metrics, running_daemon, total
 from supervised import api, complete, kill, start_args, wait_replaced, workers_of
+from vllm_names import assert_vllm_names_match
 
 REQUESTS = 24
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str) -> str:
     # A new connection each time, so that the daemon's socket hands it to either worker.
-    return metrics(httpx.get(url + "/metrics", timeout=30, headers={"connection": "close"}).text)
+    return httpx.get(url + "/metrics", timeout=30, headers={"connection": "close"}).text
 
 
 COUNTERS = ("preload_request_success_total", "preload_generation_tokens_total", "preload_prompt_tokens_total",
@@ -26,7 +28,7 @@ COUNTERS = ("preload_request_success_total", "preload_generation_tokens_total", 
 
 def test_sums_are_exact_whichever_process_answers_and_never_go_down(tiny_checkpoint, tmp_path):
     port = free_port()
-    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2)) as d:
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2, "--vllm-metrics")) as d:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: complete(port, max_tokens=5), range(REQUESTS)))
         urls = [api(port), d.url]
@@ -37,7 +39,9 @@ def test_sums_are_exact_whichever_process_answers_and_never_go_down(tiny_checkpo
                 kill(old[0])
                 wait_replaced(d, {0: old[0]})
                 complete(port, max_tokens=5)
-            m = scrape(urls[i % 2])
+            text = scrape(urls[i % 2])
+            assert_vllm_names_match(text)  # on the daemon's port too: it reads the same files
+            m = metrics(text)
             for name in COUNTERS:
                 value = total(m, name)
                 assert value >= seen[name], f"{name} went down: {seen[name]} -> {value} (scrape {i})"

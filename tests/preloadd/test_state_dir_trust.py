@@ -25,7 +25,7 @@ from preload.preloadd.state_dir import StateDirError, prepare_state_dir
 def start(state_dir, model):
     """`preload start`, meant to be refused: a daemon it started anyway (the test then fails
     on the exit status) is stopped, not left running."""
-    r = preload("start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", "0")
+    r = preload("start", "--model", str(model), "--state-dir", str(state_dir), "--health-port", "0", "--workers", "0")
     if r.returncode == 0:
         preload("stop", "--state-dir", str(state_dir))
     return r

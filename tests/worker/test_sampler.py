@@ -1,5 +1,5 @@
 """Sampling: greedy (temperature 0 or below GREEDY_BELOW), seeded reproducibility,
-top-p truncation, and the ranges SamplingParams refuses, naming the parameter."""
+top-k, min-p and top-p truncation, and the ranges SamplingParams refuses, naming the parameter."""
 
 import math
 
@@ -45,7 +45,7 @@ def test_the_smallest_sampled_temperature_still_samples_a_valid_token():
 @pytest.mark.parametrize("param, value", [
     ("max_tokens", 0), ("temperature", -1.0), ("temperature", 2.01), ("temperature", math.nan), ("temperature", math.inf),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_k", -1), ("seed", 2**64), ("seed", -(2**63) - 1),
-    ("logprobs", 21), ("logprobs", -1), ("presence_penalty", 2.5), ("frequency_penalty", -math.inf),
+    ("logprobs", 21), ("logprobs", -1), ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan), ("presence_penalty", 2.5), ("frequency_penalty", -math.inf),
 ])
 def test_rejects_out_of_range_arguments_naming_them(param, value):
     with pytest.raises(RequestError, match=f"^{param} ") as e:
@@ -59,6 +59,8 @@ def test_rejects_out_of_range_arguments_naming_them(param, value):
 def reference_probs(logits: torch.Tensor, p: SamplingParams, generated: list[int] = ()) -> torch.Tensor:
     """The distribution the one-row reference draws from."""
     x = apply_penalties(logits, list(generated), p.presence_penalty, p.frequency_penalty) / p.temperature
+    first = x.softmax(-1)  # min-p, in vLLM's order: on the probabilities after temperature, before top-k
+    x = x.masked_fill(first < p.min_p * first.max(), float("-inf"))
     if 0 < p.top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(p.top_k).values[-1], float("-inf"))
     probs = x.softmax(-1)
@@ -70,8 +72,9 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, generated: list[int
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
     SamplingParams(temperature=1.3, top_p=0.6),
-    SamplingParams(temperature=0.9, top_k=8, top_p=0.8, presence_penalty=1.0, frequency_penalty=0.5),
-], ids=["plain", "top-k", "top-p", "all"])
+    SamplingParams(temperature=1.2, min_p=0.15),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.8, min_p=0.05, presence_penalty=1.0, frequency_penalty=0.5),
+], ids=["plain", "top-k", "top-p", "min-p", "all"])
 def test_batch_draws_follow_the_reference_distribution(params):
     torch.manual_seed(0)
     logits = torch.randn(32) * 2

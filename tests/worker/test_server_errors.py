@@ -53,7 +53,7 @@ USER = [{"role": "user", "content": "t5 t6"}]
 
 def cases(vocab: int, ctx: int) -> dict[str, tuple[str, object, set[int]]]:
     """name -> (route, JSON body or raw bytes, acceptable statuses)."""
-    C, CH = "/v1/completions", "/v1/chat/completions"
+    C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
     return {
         # not JSON, or not a JSON object
         "invalid-json": (C, b'{"prompt": "t5",', VALIDATION),
@@ -116,6 +116,12 @@ def cases(vocab: int, ctx: int) -> dict[str, tuple[str, object, set[int]]]:
         "empty-in-list-of-ids": (C, {"prompt": [[5], []]}, {400}),
         "empty-in-list-of-texts": (C, {"prompt": ["t5", ""]}, {400}),
         "no-messages": (CH, {"messages": []}, {400}),
+        "responses-empty-input": (R, {"input": []}, {400}),
+        "responses-previous-response-id": (R, {"input": "t5", "previous_response_id": "resp_1"}, {400}),
+        "responses-max-output-tokens-zero": (R, {"input": "t5", "max_output_tokens": 0}, {400}),
+        "responses-image-part": (R, {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, {400}),
+        "responses-unknown-item": (R, {"input": [{"type": "computer_call_output"}]}, {400}),
+        "responses-built-in-tool": (R, {"input": "t5", "tools": [{"type": "file_search"}]}, {400}),
         # token ids outside the vocabulary
         "id-equal-to-vocab": (C, {"prompt": [5, vocab]}, {400}),
         "id-negative": (C, {"prompt": [5, -1]}, {400}),
@@ -133,7 +139,21 @@ def cases(vocab: int, ctx: int) -> dict[str, tuple[str, object, set[int]]]:
         "image-part": (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                        VALIDATION),
         "text-part-without-text": (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, VALIDATION),
+        # auto needs --enable-auto-tool-choice and a parser, as in vLLM
         "tools-auto": (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, VALIDATION),
+        "tool-choice-unknown-name": (CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, {400}),
+        "tool-choice-without-tools": (CH, {"messages": USER, "tool_choice": "required"}, {400}),
+        "tool-choice-required-and-response-format": (
+            CH, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                 "response_format": {"type": "json_object"}}, {400}),
+        "tool-not-a-function": (CH, {"messages": USER, "tools": [{"type": "web_search"}], "tool_choice": "required"},
+                                {400}),
+        "suffix": (C, {"prompt": "t5", "suffix": "t6"}, VALIDATION),
+        "min-p-above-one": (C, {"prompt": "t5", "min_p": 1.5}, {400}),
+        "min-p-negative": (C, {"prompt": "t5", "min_p": -0.1}, {400}),
+        "prompt-logprobs-too-many": (C, {"prompt": "t5", "prompt_logprobs": 21}, {400}),
+        "prompt-logprobs-negative": (CH, {"messages": USER, "prompt_logprobs": -1}, {400}),
         "response-format-unknown-type": (CH, {"messages": USER, "response_format": {"type": "yaml"}}, VALIDATION),
         "response-format-not-a-schema": (C, {"prompt": "t5", "response_format": {"type": "json_schema",
                                                                                   "json_schema": {"schema": {"type": 5}}}},

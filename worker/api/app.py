@@ -5,14 +5,18 @@ once the connection has served a few seconds (keep-alive clients then spread ove
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from preload.checkpoint.tokenizer import Tokenizer
-from preload.worker.api import chat, completions, probes, tokens
+from preload.options import WorkerOptions
+from preload.worker.api import chat, completions, probes, responses, tokens
+from preload.worker.api.auth import RequireKey
 from preload.worker.api.errors import add_error_handlers
 from preload.worker.api.metrics import WorkerMetrics
 from preload.worker.api.serving import Serving
@@ -94,15 +98,26 @@ def create_app(
     tokenizer: Tokenizer,
     model_name: str,
     state: WorkerState,
-    trust_request_chat_template: bool = False,
+    options: WorkerOptions | None = None,
     lifespan=None,
 ) -> FastAPI:
+    """The app around `engine` (an AsyncEngine, or a front's CoreClient). `model_name`: the
+    id served unless the operator's options name others (--served-model-name)."""
+    w = options or WorkerOptions()
+    names = w.served_model_name or (model_name,)
     app = FastAPI(title="preload worker", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = WorkerMetrics(engine, model_name)
-    app.state.serving = Serving(engine, tokenizer, model_name, state, metrics, trust_request_chat_template)
+    metrics = WorkerMetrics(engine, names[0], vllm_names=w.vllm_metrics)
+    app.state.serving = Serving(engine, tokenizer, names, state, metrics, w)
     add_error_handlers(app)
-    for module in (completions, chat, tokens, probes):
+    for module in (completions, chat, responses, tokens, probes):
         app.include_router(module.router)
 
     app.add_middleware(Accounting, metrics=metrics, state=state)
+    api_key = w.api_key or os.environ.get("PRELOAD_API_KEY") or os.environ.get("VLLM_API_KEY")
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
+    if w.allowed_origins:  # (outermost: a preflight is answered before the key is asked for, as browsers need)
+        app.add_middleware(CORSMiddleware, allow_origins=list(w.allowed_origins),
+                           allow_methods=list(w.allowed_methods or ("*",)), allow_headers=list(w.allowed_headers or ("*",)),
+                           allow_credentials=w.allow_credentials)
     return app

@@ -6,6 +6,7 @@ trusted client sends) cannot reach Python internals or mutate its inputs.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 from jinja2 import TemplateError
@@ -23,7 +24,13 @@ def _compile(source: str):
     def raise_exception(message: str):
         raise ChatTemplateError(message)
 
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Templates are written against transformers' tojson (what vLLM renders with): keys
+        # in their order, text as it is; jinja2's own sorts keys and escapes <, >, &, '.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env.from_string(source)
 
 

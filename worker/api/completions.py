@@ -8,6 +8,7 @@ from itertools import accumulate
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from preload.worker.api.logprobs import echoed_top_logprobs, prompt_logprobs_entries
 from preload.worker.api.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, Envelope, usage
 from preload.worker.api.serving import Serving, serving
 from preload.worker.api.streaming import event_stream
@@ -25,8 +26,8 @@ async def create_completion(req: CompletionRequest, request: Request):
     prompts = [s.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts_raw()]
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # Scoring only still samples one token (the unit of the engine's work); it is not shown.
-    params = [req.sampling(1 if req.score_only else max_tokens, req.logprobs,
-                           prompt_logprobs=req.echo and req.logprobs is not None, choice=i) for i in range(req.n)]
+    params = [req.sampling(1 if req.score_only else max_tokens, req.logprobs, prompt_scores(req), choice=i)
+              for i in range(req.n)]
     # n choices per prompt, a prompt's choices together (index = prompt * n + choice), as vLLM orders them.
     seqs = [Sequence(p, params[i]) for p in prompts for i in range(req.n)]
     streams = s.submit(seqs, arrived)
@@ -35,6 +36,15 @@ async def create_completion(req: CompletionRequest, request: Request):
         closing = choices.usage_chunk if req.include_usage else None
         return StreamingResponse(event_stream(streams, choices.chunk, closing=closing), media_type="text/event-stream")
     return choices.body(await s.collect(request, streams))
+
+
+def prompt_scores(req: CompletionRequest) -> int | None:
+    """How much of the prompt's log-probs to compute: as many top ones per token as
+    prompt_logprobs asks; without it, for an echoed prompt with logprobs, as many as the
+    output's (what lm-eval scores with). vLLM's order: prompt_logprobs governs both."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
 
 
 class Choices:
@@ -47,9 +57,11 @@ class Choices:
         self.echo_pending = [req.echo] * len(seqs)
         self.offsets = [0] * len(seqs)  # text_offset of each choice's next token
         self.generated = [0] * len(seqs)
+        self.cached = [0] * len(seqs)  # prompt tokens the prefix cache held, per choice
 
     def chunk(self, i: int, out: Output) -> dict:
-        return self.envelope("text_completion", [self._choice(i, out)])
+        choice = self._choice(i, out)
+        return self.envelope("text_completion", [choice], **({"usage": self._usage()} if self.req.continuous_usage else {}))
 
     def usage_chunk(self) -> dict:
         return self.envelope("text_completion", [], usage=self._usage())
@@ -59,7 +71,8 @@ class Choices:
         return self.envelope("text_completion", choices, usage=self._usage())
 
     def _usage(self) -> dict:
-        return usage(sum(len(seq.prompt) for seq in self.seqs[:: self.req.n]), sum(self.generated))
+        n = self.req.n
+        return usage(sum(len(seq.prompt) for seq in self.seqs[::n]), sum(self.generated), sum(self.cached[::n]))
 
     def _choice(self, i: int, out: Output) -> dict:
         shown = not self.req.score_only
@@ -68,14 +81,20 @@ class Choices:
         lps = out.logprobs if shown else []
         tops = [self._top(top) for top in out.top_logprobs] if shown and self.req.logprobs else [None] * len(ids)
         self.generated[i] += len(ids)
+        if out.cached_tokens is not None:
+            self.cached[i] = out.cached_tokens
+        prompt = self.seqs[i].prompt
         if self.echo_pending[i]:
             self.echo_pending[i] = False
-            prompt = self.seqs[i].prompt
             text = self.tokenizer.decode(prompt) + text
-            ids, tops = prompt + ids, [None] * len(prompt) + tops
-            lps = (out.prompt_logprobs or [None] * len(prompt)) + lps
+            if out.prompt_logprobs is not None:  # (asked with logprobs: prompt_scores)
+                ids, lps = prompt + ids, out.prompt_logprobs + lps
+                tops = echoed_top_logprobs(self.tokenizer, prompt, out) + tops
         finish = "length" if self.req.score_only and out.finished else out.finish_reason
-        return {"index": i, "text": text, "logprobs": self._logprobs(i, ids, lps, tops), "finish_reason": finish}
+        choice = {"index": i, "text": text, "logprobs": self._logprobs(i, ids, lps, tops), "finish_reason": finish}
+        if self.req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_entries(self.tokenizer, prompt, out)
+        return choice
 
     def _logprobs(self, i: int, ids: list[int], lps: list, tops: list) -> dict | None:
         if self.req.logprobs is None:

@@ -34,11 +34,15 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
-        first = e.errors()[0]
+        errors = e.errors()
+        # Our own reason (a model validator's ValueError) over what the other branches of a
+        # union say: an image part is refused as such, not as "not a string".
+        first = next((err for err in errors if err.get("type") == "value_error"), errors[0])
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_response(400, f"{where}: {first.get('msg')}" if where else first.get("msg", "invalid request"),
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")  # (pydantic's, before ours)
+        return error_response(400, f"{where}: {message}" if where else message,
                               param=where or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -11,6 +11,8 @@ and any process's /metrics reads them all: a scrape of the shared API port gives
 sums whichever worker answers, and the counts of a replaced worker stay in them, so a
 counter never goes down. Gauges count live workers only (the daemon marks a reaped
 worker dead). A worker on its own keeps its series in memory.
+
+--vllm-metrics: every series that vLLM has also under vLLM's name (ipc/exposition.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from preload.ipc.exposition import Exposition
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sequence import Sequence
 
@@ -27,16 +30,15 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
-
 class WorkerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, vllm_names: bool = False):
         self.engine, self.model_name = engine, model_name
         self.worker = f"pid-{os.getpid()}"  # a supervised worker's slot once it has one (serve.py)
-        self.registry = CollectorRegistry()  # what /metrics exposes
         shared = MULTIPROC_ENV in os.environ
-        if shared:
-            MultiProcessCollector(self.registry)
-        r = None if shared else self.registry  # shared: the values live in the directory's files
+        # shared: the values live in the directory's files (every process's), else in this registry
+        r = None if shared else CollectorRegistry()
+        self.registry = CollectorRegistry()  # what /metrics exposes
+        self.registry.register(Exposition(MultiProcessCollector(None) if shared else r, vllm_names))
         labels = ["model_name", "worker"]
 
         def counter(name: str, help_: str, extra: tuple = ()) -> Counter:

@@ -53,18 +53,19 @@ async def metrics(request: Request):
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def model_card(request: Request) -> dict:
+def model_card(request: Request, name: str) -> dict:
+    """One served id (--served-model-name may give several; `root`, as in vLLM, is the first)."""
     s = serving(request)
-    return {"id": s.model_name, "object": "model", "created": int(time.time()), "owned_by": "preload",
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "preload",
             "root": s.model_name, "parent": None, "max_model_len": s.engine.stats().max_model_len}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(request)]}
+    return {"object": "list", "data": [model_card(request, name) for name in serving(request).model_names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request):
     serving(request).check_model(model_id)
-    return model_card(request)
+    return model_card(request, model_id)

@@ -45,12 +45,16 @@ class Request(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = None
     stream: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-prob, rank and the n most likely
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -82,6 +86,11 @@ class Request(BaseModel):
         return self
 
     @property
+    def has_grammar(self) -> bool:
+        """Whether the request holds its output to a structured-output grammar."""
+        return self._grammar is not None
+
+    @property
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
@@ -89,7 +98,13 @@ class Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: bool, choice: int = 0) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
+
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                 choice: int = 0) -> SamplingParams:
         """The engine's parameters for choice `choice` of n (a seeded request's choices draw
         from seed, seed + 1, ...: reproducible, and not all alike); RequestError naming the
         parameter if one is out of range."""
@@ -99,10 +114,13 @@ class Request(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=None if self.seed is None else self.seed + choice,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop=tuple(s for s in stop if s),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
@@ -119,9 +137,12 @@ class CompletionRequest(Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    suffix: str | None = None  # (refused, as vLLM refuses it: no model here fills in the middle)
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
         if self.prompt == "" or self.prompt == [] or any(p in ("", []) for p in self.prompts_raw()):
             raise ValueError("prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:
@@ -205,10 +226,8 @@ class ChatRequest(Request):
     def _check(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError(f"tool_choice {self.tool_choice or 'auto'!r} needs a tool-call parser for this model's"
-                             " format, which this server does not have; send tool_choice: \"none\" to render the tools"
-                             " into the prompt only")
+        if self.stream and self.prompt_logprobs is not None:  # (as vLLM: a chunk has no place for them)
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
 
@@ -238,6 +257,7 @@ class Envelope:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}

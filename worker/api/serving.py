@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.options import WorkerOptions
 from preload.worker.api.errors import ApiError
 from preload.worker.api.metrics import WorkerMetrics
 from preload.worker.api.protocol import Request as ApiRequest
@@ -29,10 +30,24 @@ log = logging.getLogger("preload.worker")
 class Serving:
     engine: AsyncEngine
     tokenizer: Tokenizer
-    model_name: str
+    model_names: tuple[str, ...]  # the ids served (--served-model-name); responses name the first
     state: WorkerState
     metrics: WorkerMetrics
-    trust_request_chat_template: bool = False
+    options: WorkerOptions = field(default_factory=WorkerOptions)
+
+    def __post_init__(self):
+        # The operator's chat template (--chat-template), read once, else the checkpoint's.
+        t = self.options.chat_template
+        self.chat_template = t.read_text() if t is not None else self.tokenizer.chat_template
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The parser of "auto" tool choice, if the operator enabled it."""
+        return self.options.tool_call_parser if self.options.enable_auto_tool_choice else None
 
     def admit(self, req: ApiRequest, request: Request) -> None:
         """Refuse a request for another model, or one that arrives before we can answer;
@@ -48,10 +63,11 @@ class Serving:
             raise ApiError(503, "engine failed; the worker must be restarted", "service_unavailable")
 
     def check_model(self, model: str | None) -> None:
-        """404 for a request that names another model than the one served."""
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model")
+        """404 for a request that names another model than those served."""
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", "not_found_error",
+                           "model")
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of request text; 400 naming `param` for text that is not Unicode

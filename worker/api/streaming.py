@@ -17,11 +17,12 @@ def sse(obj: dict | str) -> str:
 
 async def event_stream(
     streams: list[AsyncIterator[Output]],
-    render: Callable[[int, Output], dict],
+    render: Callable[[int, Output], dict | None],
     opening: Iterable[dict] = (),
     closing: Callable[[], dict] | None = None,
 ) -> AsyncIterator[str]:
-    """`render(i, output)`: the chunk for an Output of sequence i; `opening`: chunks sent
+    """`render(i, output)`: the chunk for an Output of sequence i (None: nothing to send);
+    `opening`: chunks sent
     first (chat: the role); `closing()`: the last chunk before [DONE] (usage), if any."""
     updates: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -45,8 +46,8 @@ async def event_stream(
                 remaining -= 1
             elif isinstance(event, Exception):
                 yield sse(error_body(str(event), "server_error", 500))
-            else:
-                yield sse(render(i, event))
+            elif (chunk := render(i, event)) is not None:
+                yield sse(chunk)
         if closing is not None:
             yield sse(closing())
         yield sse("[DONE]")

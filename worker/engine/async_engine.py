@@ -106,7 +106,7 @@ class AsyncEngine:
             raise EngineDead(f"engine stopped: {self.error}")
         reader: asyncio.Queue = asyncio.Queue()
         self._readers[seq.id] = reader
-        text = OutputText(self.engine.tokenizer, seq.params.stop)  # (made here, on the event loop: the text is its work)
+        text = OutputText(self.engine.tokenizer, seq.params)  # (made here, on the event loop: the text is its work)
         self._send("add", seq)
         finished = False  # in the engine
         try:

@@ -28,11 +28,12 @@ PATIENCE = 8  # tokens without text fed one by one; a character is at most 4 byt
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, special: frozenset[int]):
-        """special: `tokenizer.special_ids`, computed once per tokenizer."""
-        self.tokenizer, self._special = tokenizer, special
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        """skip_special: special tokens are left out, as `Tokenizer.decode` leaves them."""
+        self.tokenizer, self._skip = tokenizer, skip_special
+        self._special = tokenizer.special_ids if skip_special else frozenset()
         self._hf = tokenizer.hf
-        self._stream = DecodeStream(skip_special_tokens=True)  # as Tokenizer.decode
+        self._stream = DecodeStream(skip_special_tokens=skip_special)
         self._unfed: list[int] = []  # tokens not given to the stream yet (see PATIENCE)
         self._waiting = 0  # tokens since the text last grew
         self._chars = 0  # length of the text given so far
@@ -58,4 +59,4 @@ class Detokenizer:
         if not self._waiting:
             return ""
         # Rare (a sequence that ends mid-character), and once per sequence.
-        return self.tokenizer.decode(output)[self._chars :]
+        return self.tokenizer.decode(output, self._skip)[self._chars :]

@@ -136,7 +136,9 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        return min(self.model.cfg.max_position_embeddings, self.blocks.num_blocks * self.blocks.block_size)
+        """The model's context, or what the KV cache holds, or the operator's --max-model-len: the least."""
+        longest = min(self.model.cfg.max_position_embeddings, self.blocks.num_blocks * self.blocks.block_size)
+        return min(longest, self.config.max_model_len or longest)
 
     def check(self, seq: Sequence) -> None:
         """Raise RequestError if this engine can never serve `seq` (check_sequence)."""
@@ -368,18 +370,34 @@ class Engine:
     @staticmethod
     def _score_prompt(seq: Sequence, start: int, n: int, rows: torch.Tensor) -> None:
         # Row i predicts prompt[start + i + 1]; a preempted sequence recomputes rows whose
-        # log-probs it already has, so start after those.
+        # log-probs it already has, so start after those. One transfer to the host: each
+        # token's log-prob and rank, and the n most likely (ids and log-probs), as float64.
         lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
         targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long, device=rows.device)
-        seq.prompt_logprobs.extend(rows[lo:hi].gather(1, targets[:, None])[:, 0].tolist())
+        scored = rows[lo:hi]
+        lps = scored.gather(1, targets[:, None])
+        columns = [lps, (scored > lps).sum(1, keepdim=True) + 1]
+        k = seq.params.prompt_logprobs
+        if k:
+            top = scored.topk(k, dim=-1)
+            columns += [top.indices, top.values]
+        for lp, rank, *top in torch.cat([c.double() for c in columns], 1).tolist():
+            seq.prompt_logprobs.append(lp)
+            seq.prompt_ranks.append(int(rank))
+            if k:
+                seq.prompt_top_logprobs.append({int(t): v for t, v in zip(top[:k], top[k:])})
 
     def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
         """Append the token drawn for `seq`; say what it adds."""
         p = seq.params
         seq.output.append(token)
         out = Output(seq.id, [token])
+        if len(seq.output) == 1:
+            out.cached_tokens = seq.cached_tokens
         if len(seq.output) == 1 and seq.prompt_logprobs is not None:
-            out.prompt_logprobs = list(seq.prompt_logprobs)
+            out.prompt_logprobs, out.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
+            if seq.prompt_top_logprobs is not None:
+                out.prompt_top_logprobs = list(seq.prompt_top_logprobs)
         if p.logprobs is not None:
             out.logprobs.append(logprob)
             seq.logprobs.append(logprob)

@@ -19,17 +19,43 @@ from preload.checkpoint.tokenizer import Tokenizer
 
 def json_schema_grammar(schema: dict) -> str:
     """The llguidance grammar of a JSON schema, compact (no free whitespace, which a
-    model would otherwise be allowed to emit without end); ValueError if it is not one."""
+    model would otherwise be allowed to emit without end) and `closed`; ValueError if it
+    is not one."""
     from llguidance import LLMatcher
 
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults={"whitespace_flexible": False})
     except Exception as e:  # noqa: BLE001 - llguidance says what is wrong in its message
         raise ValueError(f"not a JSON schema llguidance can follow: {e}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(error)
     return grammar
+
+
+NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # maps of name -> schema
+VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas
+
+
+def closed(schema):
+    """`schema` with every object that lists its properties and says nothing of others
+    closed to others (additionalProperties false), as vLLM's default backend (xgrammar's
+    strict mode) reads schemas: a tool's arguments then hold its parameters only, not
+    keys a model invents (pydantic's and so LangChain's schemas never say)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in NAMED and isinstance(value, dict):
+            out[key] = {name: closed(s) for name, s in value.items()}
+        else:
+            out[key] = value if key in VALUES else closed(value)
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if "properties" in schema and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def regex_grammar(pattern: str) -> str:

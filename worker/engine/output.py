@@ -23,6 +23,9 @@ class Output:
     finish_reason: str | None = None  # "stop" or "length" once the sequence is done
     prompt_logprobs: list[float | None] | None = None  # with the first token, when asked
     error: str | None = None  # the sequence failed (faults.py) and is finished
+    prompt_ranks: list[int | None] | None = None  # with prompt_logprobs (Sequence's)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None  # likewise, when n > 0 are asked
+    cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache held
 
     @property
     def finished(self) -> bool:
@@ -43,4 +46,7 @@ class Output:
             last.finish_reason,
             next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
             last.error,
+            next((o.prompt_ranks for o in outputs if o.prompt_ranks is not None), None),
+            next((o.prompt_top_logprobs for o in outputs if o.prompt_top_logprobs is not None), None),
+            next((o.cached_tokens for o in outputs if o.cached_tokens is not None), None),
         )

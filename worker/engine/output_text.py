@@ -10,7 +10,9 @@ takes nothing of it along (vLLM v1's output processor plays this part).
 A stop string ends the request where its text is found: the Output is cut after the
 token that completed it and marked finished ("stop"); whoever drives the engine then
 aborts the sequence there, which may have computed a token or two more meanwhile: they
-are dropped here. What fails here is the request's own (faults.stage): it ends that
+are dropped here. The text ends before the stop string, and without the text of a stop
+token (EOS, stop_token_ids), unless the request asks for them (include_stop_str_in_output,
+as vLLM's). What fails here is the request's own (faults.stage): it ends that
 request alone.
 """
 
@@ -22,15 +24,19 @@ from preload.checkpoint.tokenizer import Tokenizer
 from preload.worker.engine.detokenizer import Detokenizer
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.output import Output
+from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 from preload.worker.engine.stop_strings import StopStrings
 
 
 class OutputText:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
-        self.detokenizer = Detokenizer(tokenizer, tokenizer.special_ids)
-        self.stop_strings = StopStrings(stop)
-        self.tokens: list[int] = []  # the output so far, as the request has read it
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams):
+        self.detokenizer = Detokenizer(tokenizer, params.skip_special_tokens)
+        self.stop_strings = StopStrings(params.stop, params.include_stop_str_in_output)
+        # Tokens whose text a stop leaves out (the engine ends a sequence at them)
+        self.stop_tokens = frozenset() if params.include_stop_str_in_output else (
+            frozenset(params.stop_token_ids) | ({tokenizer.eos_id} - {None}))
+        self.tokens: list[int] = []  # the output so far whose text is shown
         self.finished = False
 
     def add(self, out: Output) -> Output:
@@ -44,8 +50,11 @@ class OutputText:
             return out
         pieces = []
         for i, token in enumerate(out.token_ids):
-            self.tokens.append(token)
             last = out.finish_reason is not None and i == len(out.token_ids) - 1
+            if last and out.finish_reason == "stop" and token in self.stop_tokens:
+                token = None  # (a stop token: its text is not shown)
+            else:
+                self.tokens.append(token)
             released, stopped = self._release(token, last)
             pieces.append(released)
             if stopped:

@@ -1,5 +1,5 @@
-"""Choosing the next token: penalties, temperature, top-k, top-p, on the device, for the
-whole batch at once.
+"""Choosing the next token: penalties, temperature, top-k, min-p, top-p, on the device,
+for the whole batch at once.
 
 `sample_batch` is what the engine runs: a handful of tensor operations over the batch's
 log-probs, wherever they are (the GPU, or the CPU). Sampling draws one exponential
@@ -79,12 +79,23 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(distribution(logits, params), 1, generator=generator))
 
 
+def min_p_filter(x: torch.Tensor, min_p: float | torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] without the tokens less likely than min_p times the most likely one
+    (a number, or one per row [N, 1]): p_i < min_p * p_max is x_i < x_max + log(min_p),
+    no softmax needed (and min_p 0 masks nothing). Ratios of probabilities do not change
+    under top-k, so vLLM's order (min-p, then top-k) gives the same."""
+    floor = x.max(-1, keepdim=True).values + torch.as_tensor(min_p, device=x.device, dtype=x.dtype).log()
+    return x.masked_fill(x < floor, float("-inf"))
+
+
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """What a sampled request draws from, for logits [..., V]: temperature, then top-k,
-    then top-p (`sample`'s, and speculative decoding's acceptance test's)."""
+    min-p, then top-p (`sample`'s, and speculative decoding's acceptance test's)."""
     x = logits / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(params.top_k, dim=-1).values[..., -1:], float("-inf"))
+    if params.min_p > 0.0:
+        x = min_p_filter(x, params.min_p)
     probs = x.softmax(-1)
     return top_p_filter(probs, params.top_p) if params.top_p < 1.0 else probs
 
@@ -119,6 +130,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     if min(k) < vocab:
         kth = x.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.min_p > 0.0 for p in ps):
+        x = min_p_filter(x, column([p.min_p for p in ps]))
     probs = x.softmax(-1)
     if any(p.top_p < 1.0 for p in ps):
         probs = top_p_filter(probs, column([p.top_p for p in ps]))

@@ -29,10 +29,13 @@ class SamplingParams:
     temperature: float = 0.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means all tokens
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are never drawn
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the n most likely
-    prompt_logprobs: bool = False
+    prompt_logprobs: int | None = None  # None: none; 0: each prompt token's log-prob; n: also the n most likely
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text, not cut off
+    skip_special_tokens: bool = True  # special tokens are left out of the text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -50,8 +53,11 @@ class SamplingParams:
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "must be in [-2^63, 2^64)"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"must be in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),

@@ -112,6 +112,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
+                seq.cached_tokens = hit or 0
             self.running.append(seq)
             self.blocks.grow(seq, seq.computed + n)
             batch.append((seq, n))

@@ -46,7 +46,9 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
+    prompt_logprobs: list[float | None] | None = None  # log p(prompt[i] | prompt[:i]), when asked
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank among all (1: the most likely)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None  # the n most likely, when n > 0 are asked
     blocks: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
     cache_source: CacheSource = CacheSource("")  # given by the engine (engine.add)
@@ -57,13 +59,16 @@ class Sequence:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when it first entered the running batch (time.monotonic)
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache then
     last_step: int = 0  # the scheduler's count of the last step that computed it (turns, when capped)
     generator: torch.Generator | None = None  # a seeded request's own, on the engine's device (engine.add)
     matcher: object | None = None  # structured output: its grammar's llguidance matcher (engine.add)
 
     def __post_init__(self):
-        if self.params.prompt_logprobs:
-            self.prompt_logprobs = [None]  # nothing predicts the first token
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]  # nothing predicts the first token
+            if self.params.prompt_logprobs:
+                self.prompt_top_logprobs = [None]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens start..end-1 of prompt + output, without building the whole list."""

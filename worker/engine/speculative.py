@@ -86,7 +86,7 @@ def check_drafter(spec: SpecConfig | None, target, draft) -> None:
 def speculates(seq: Sequence) -> bool:
     """Whether nothing but temperature, top-k and top-p shapes this request's draws."""
     p = seq.params
-    return not p.shapes_logits and p.logprobs is None and not p.prompt_logprobs
+    return not p.shapes_logits and p.logprobs is None and p.prompt_logprobs is None
 
 
 def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:

@@ -47,7 +47,7 @@ def token_lists(tok: Tokenizer):
 
 
 def streamed(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
-    d = Detokenizer(tok, tok.special_ids)
+    d = Detokenizer(tok)
     pieces = [d.add(t) for t in ids]
     return pieces, d.finish(ids)
 

@@ -66,7 +66,7 @@ def test_a_failing_sequence_ends_alone(llm, monkeypatch, stage):
     engine = llm.engine
     [alone] = run(engine, [greedy(OTHER)]).values()
     victim, bystander = greedy(PROMPT, seed=1), greedy(OTHER)
-    texts = {seq.id: (seq, OutputText(engine.tokenizer, ())) for seq in (victim, bystander)}
+    texts = {seq.id: (seq, OutputText(engine.tokenizer, seq.params)) for seq in (victim, bystander)}
     for seq in (victim, bystander):
         engine.check(seq)
         engine.add(seq)

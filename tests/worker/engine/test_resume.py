@@ -67,7 +67,7 @@ def test_its_text_reads_on_where_it_stopped(llm):
     resumption, added to those before, make the uninterrupted text."""
     params = CASES["seeded"]
     before = whole(llm.engine, params)
-    text = OutputText(llm.tokenizer, ())
+    text = OutputText(llm.tokenizer, params)
     head = text.add(Output(0, before.token_ids[:9]))
     tail = text.add(resumed_after(llm.engine, params, before, 9))
     assert head.text + tail.text == before.text == llm.tokenizer.decode(before.token_ids)
