@@ -105,7 +105,8 @@ class EngineOptions:
         0, "A prompt longer than this is prefilled in chunks of at most this many tokens, divided among the prefills"
         " waiting, so that short requests behind it are not starved (0: off).", bounds=(0, None))
     enforce_eager: bool = option(
-        False, "Run every step eagerly: no CUDA graphs captured at start (a faster start, slower decoding).")
+        False, "Run every step eagerly: no CUDA graphs, of decode steps or of prompt steps' pieces (a faster start,"
+               " slower steps).")
     async_scheduling: bool = option(
         True, "Launch each decode step on the GPU before the previous step's tokens reach the host, so that the host's"
         " work between steps overlaps the GPU's; a request ended by a stop token or string costs one step computed for"

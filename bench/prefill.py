@@ -37,6 +37,7 @@ from preload.bench.results import begin, finish, row
 from preload.bench.step_profile import PROMPT, busy_kernels, operation_ms
 from preload.checkpoint.config import ModelConfig
 from preload.options import EngineOptions
+from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import bytes_per_token
@@ -192,27 +193,37 @@ def time_step(step: Step, repeat: int) -> list[float]:
 
 
 def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, profile_times: int) -> dict:
+    """The step as served (replayed from the prompt graphs where the engine has them and
+    the step fits), then eagerly: its wall time, and the breakdown, which needs the model's
+    calls (a replay makes none but attention's)."""
     step = Step(engine, case, cfg.vocab_size, seed=case.tokens + case.seqs)
+    graphs = engine.prompt_graphs
+    replayed = graphs is not None and graphs.fits(case.tokens + case.decode_rows)
     try:
-        time_step(step, 2)  # warm-up: kernels of these shapes compiled, the allocator's pools grown
+        time_step(step, 2)  # warm-up: kernels of these shapes compiled (the bucket captured), the allocator's pools grown
         spent = sorted(time_step(step, repeat))
         wall = spent[len(spent) // 2]
+        engine.prompt_graphs = None
+        time_step(step, 1)
+        eager = sorted(time_step(step, repeat))[repeat // 2] if replayed else wall
         ops, span, busy, top = {}, None, None, []
         if engine.device.type == "cuda":  # (the spans and the profiler are the GPU's)
             ops, span = operation_ms(step.run, profile_times)
             busy, top = busy_kernels(step.run, profile_times)
     finally:
+        engine.prompt_graphs = graphs
         step.release()
     flops = step_flops(cfg, case)
     total = sum(flops.values())
     breakdown = [{"operation": op, "ms": ms, "share": ms / span,
                   "tflop_s": flops[op] / (ms / 1e3) / 1e12 if flops.get(op) and ms > 0 else None}
                  for op, ms in sorted(ops.items(), key=lambda kv: -kv[1])]
-    return asdict(case) | {"case": case.label, "ms": 1000 * wall, "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
+    return asdict(case) | {"case": case.label, "replayed": replayed, "eager_ms": 1000 * eager,
+                           "ms": 1000 * wall, "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
                            "prompt_tok_s": case.tokens / wall, "tok_s": (case.tokens + case.decode_rows) / wall,
                            "tflop": total / 1e12, "limit_ms": 1000 * total / rate,
                            "limit_percent": 100 * total / rate / wall, "gpu_span_ms": span, "gpu_busy_ms": busy,
-                           "host_ms": 1000 * wall - busy if busy is not None else None, "breakdown": breakdown,
+                           "host_ms": 1000 * eager - busy if busy is not None else None, "breakdown": breakdown,
                            "top_kernels": top}
 
 
@@ -258,11 +269,13 @@ def build_engine(model: Path | None, shape: str | None, quant: str, device: torc
 
 def run_prefill(model: Path | None, shape: str | None, device: str, quants: list[str], cases: list[Case],
                 prompts: list[int], max_num_batched_tokens: int, repeat: int, progress: Callable[[str], None],
-                profile_times: int = 3) -> dict:
+                profile_times: int = 3, graphs: bool = True) -> dict:
+    """`graphs`: steps replayed from prompt graphs as a worker serves them (on a GPU)."""
     t0 = time.perf_counter()
     dev = torch.device(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     result = begin("prefill", device) | {"model": str(model) if model else f"random weights, {shape} shapes",
-                                         "max_num_batched_tokens": max_num_batched_tokens, "runs": [], "prompts": []}
+                                         "max_num_batched_tokens": max_num_batched_tokens, "prompt_graphs": graphs,
+                                         "runs": [], "prompts": []}
     if dev.type == "cuda":
         result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
     rate = matmul_rate(dev)
@@ -276,6 +289,8 @@ def run_prefill(model: Path | None, shape: str | None, device: str, quants: list
         options = replace(options, kv_cache_memory=slots * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16))
         t = time.perf_counter()
         engine, cfg = build_engine(model, shape, quant, dev, options)
+        if graphs and dev.type == "cuda":  # (the engine is built eager: the decode steps here are few)
+            engine.prompt_graphs = PromptGraphs(engine.model, max_num_batched_tokens, dev)
         result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t
         for case in cases:
             progress(f"{quant}: step {case.label}")
@@ -300,8 +315,8 @@ def format_table(result: dict) -> str:
     lines = [f"preload bench prefill: {result['model']}, on {m.get('cuda_device') or m.get('cpu_model')}; bf16 matmul "
              f"{result['matmul_flop_s'] / 1e12:.0f} TFLOP/s; budget {result['max_num_batched_tokens']} tokens a step;"
              f" {result['wall_s']:.0f} s", ""]
-    head = ("quant", "step", "ms", "prompt tok/s", "TFLOP", "limit ms", "limit %", "GPU busy", "host ms")
-    widths = (10, 18, 8, 12, 7, 8, 7, 8, 8)
+    head = ("quant", "step", "ms", "prompt tok/s", "TFLOP", "limit ms", "limit %", "eager ms", "GPU busy", "host ms")
+    widths = (10, 18, 8, 12, 7, 8, 7, 8, 8, 8)
     lines.append(row(head, widths))
 
     def ms(x: float | None) -> str:
@@ -312,7 +327,8 @@ def format_table(result: dict) -> str:
             lines.append(row((r["quant"], r["case"], "failed: " + r["error"][:80]), (10, 18, 8)))
             continue
         lines.append(row((r["quant"], r["case"], ms(r["ms"]), f"{r['prompt_tok_s']:.0f}", f"{r['tflop']:.2f}",
-                          ms(r["limit_ms"]), f"{r['limit_percent']:.0f}", ms(r["gpu_busy_ms"]), ms(r["host_ms"])),
+                          ms(r["limit_ms"]), f"{r['limit_percent']:.0f}", ms(r.get("eager_ms")), ms(r["gpu_busy_ms"]),
+                          ms(r["host_ms"])),
                          widths))
     for p in result["prompts"]:
         lines.append(f"{p['quant']}: a {p['prompt']}-token prompt to its first token: {p['s']:.3f} s in {p['steps']}"
@@ -320,8 +336,8 @@ def format_table(result: dict) -> str:
     for r in result["runs"]:
         if not r.get("breakdown"):
             continue
-        lines += ["", f"{r['quant']} {r['case']}: {r['ms']:.2f} ms a step, {r['gpu_span_ms']:.2f} ms of it on the GPU's"
-                      f" timeline, {r['gpu_busy_ms']:.2f} ms busy"]
+        lines += ["", f"{r['quant']} {r['case']} eagerly: {r.get('eager_ms', r['ms']):.2f} ms a step, {r['gpu_span_ms']:.2f}"
+                      f" ms of it on the GPU's timeline, {r['gpu_busy_ms']:.2f} ms busy"]
         lines += [f"  {b['ms']:8.3f} ms {100 * b['share']:5.1f}%  "
                   + (f"{b['tflop_s']:6.0f} TFLOP/s  " if b["tflop_s"] else " " * 16) + b["operation"]
                   for b in r["breakdown"]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 import tempfile
 from contextlib import contextmanager
@@ -175,9 +177,10 @@ def decode(model, quant, batch, context, output_len, with_transformers, enforce_
 @click.option("--max-num-batched-tokens", type=click.IntRange(1), default=EngineOptions().max_num_batched_tokens,
               show_default=True, help="The engine's token budget a step (the whole prompts' chunks).")
 @click.option("--repeat", type=click.IntRange(1), default=5, show_default=True, help="Timed runs of each step.")
+@click.option("--enforce-eager", is_flag=True, help="No prompt graphs: every step eagerly (as --enforce-eager serves).")
 @device_option
 @json_option("prefill")
-def prefill(model, shape, quant, cases, prompts, max_num_batched_tokens, repeat, device, json_path):
+def prefill(model, shape, quant, cases, prompts, max_num_batched_tokens, repeat, enforce_eager, device, json_path):
     """Prefill speed: steps of prompt tokens (with cached context, beside decode rows) timed and broken down by
     operation, vs the GPU's compute limit."""
     from preload.bench.prefill import DEFAULT_CASES, Case, format_table, run_prefill
@@ -189,8 +192,8 @@ def prefill(model, shape, quant, cases, prompts, max_num_batched_tokens, repeat,
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--cases") from None
     lengths = [n for n in _int_list(prompts, "--prompt", minimum=0) if n]
-    _run(run_prefill, format_table, json_path, model, shape, device, quant, chosen, lengths, max_num_batched_tokens,
-         repeat)
+    _run(functools.partial(run_prefill, graphs=not enforce_eager), format_table, json_path, model, shape, device, quant,
+         chosen, lengths, max_num_batched_tokens, repeat)
 
 
 def _int_list(text: str, option: str, minimum: int = 1) -> list[int]:

@@ -21,6 +21,7 @@ from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.engine import Engine
 from preload.worker.engine.output import Output
 from preload.worker.engine.output_text import OutputText, with_text
+from preload.worker.engine.prompt_graphs import PromptGraphs, token_buckets
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence as Seq
 from preload.worker.engine.speculative import SpecConfig
@@ -70,6 +71,7 @@ class LLM:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
         self.model = Transformer(self.config, weights)
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
         self.lazy_graphs = lazy_graphs  # only the largest decode graph now, the rest as the engine idles
         self.engine: Engine | None = None
         engine = engine or EngineOptions()
@@ -84,18 +86,21 @@ class LLM:
         engines of the same cache layout (only their cache's addresses change).
         `kv_memory`: where the cache lives (engine.Engine), for a supervised worker."""
         self._drop_engine()
-        graphs = None
+        graphs = prompt_graphs = None
         # (Speculative steps run eagerly: the drafter reads hidden states a graph does not keep.)
         if self.device.type == "cuda" and not config.enforce_eager and not config.speculative_config:
             if self.graphs is None or not self.graphs.serves(config.block_size, config.kv_cache_dtype):
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.block_size, config.kv_cache_dtype,
                                            self.device)
-            graphs = self.graphs
+                self.prompt_graphs = None  # (they write the cache through the decode graphs' address table)
+            if self.prompt_graphs is None or self.prompt_graphs.sizes != token_buckets(config.max_num_batched_tokens):
+                self.prompt_graphs = PromptGraphs(self.model, config.max_num_batched_tokens, self.device)
+            graphs, prompt_graphs = self.graphs, self.prompt_graphs
         # Prefix-cache keys name the weights: an attached worker's fingerprint (one process
         # never serves two sets of weights otherwise, and each engine has its own cache).
         fingerprint = self.attached.manifest.fingerprint if self.attached else "in-process"
         self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint,
-                             self._draft_model(config), kv_memory)
+                             self._draft_model(config), kv_memory, prompt_graphs)
         if graphs is not None and not graphs.graphs:
             graphs.capture(self.engine.cache, self.engine.scratch_block, graphs.sizes[-1:] if self.lazy_graphs else None)
         self.stop_ids = self.engine.stop_ids

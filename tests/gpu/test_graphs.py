@@ -127,9 +127,18 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
     assert set(buckets) == {4} and sorted(lazy.graphs.graphs) == [4, 40]  # (three sequences: captured at first use)
 
     order = []
-    while lazy.engine.capture_idle():
+    while lazy.graphs.pending:
+        assert lazy.engine.capture_idle()
         order.append(max(set(lazy.graphs.graphs) - set(order) - {4, 40}, default=None))
     assert order == [1, 2, 8, 16, 24, 32] and sorted(lazy.graphs.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
+    # then the prompt steps' buckets, largest first, a few pieces a turn (prompt_graphs.py)
+    prompt_graphs = lazy.engine.prompt_graphs
+    largest = prompt_graphs.pending[-1]
+    while largest not in prompt_graphs.graphs:
+        assert prompt_graphs.pending[-1] == largest and lazy.engine.capture_idle()
+    while prompt_graphs.pending:
+        assert lazy.engine.capture_idle()
+    assert not lazy.engine.capture_idle()  # nothing left
     buckets.clear()
     one = eager.generate(batch[:1], max_tokens=16, logprobs=5, ignore_eos=True)
     assert_same_greedy(lazy.generate(batch[:1], max_tokens=16, logprobs=5, ignore_eos=True), one)

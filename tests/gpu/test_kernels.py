@@ -25,7 +25,10 @@ def random_weight(gen: torch.Generator, quant: str, *shape: int):
 @pytest.mark.parametrize("quant", ["none", "fp8_block", "fp8_per_tensor"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_fused_moe_at_v2_lite_shapes(quant, tokens):
-    from preload.kernels.fused_moe import fused_moe, stack_experts
+    import torch.nn.functional as F
+
+    from preload.kernels.fused_moe import block_rows, fp8_activations, fused_moe, stack_experts
+    from preload.kernels.linear import dense
     from preload.kernels.moe import moe_experts, swiglu
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -38,10 +41,28 @@ def test_fused_moe_at_v2_lite_shapes(quant, tokens):
     x = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
     weights, ids = torch.randn(tokens, num, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
     stacked = tuple(stack_experts([e[i] for e in experts]) for i in range(3))
-    want = moe_experts(x, ids, weights, [lambda v, e=e: swiglu(v, *e) for e in experts]).float()
+    if quant != "none" and fp8_activations(min(block_rows(tokens * top_k, num), 64)):
+        # A prefill's e4m3 experts take e4m3 activations (x, and the product before down),
+        # quantized per row and 128 columns: so does the reference.
+        def expert(v, e):
+            g, u, dn = (dense(w, torch.float32) for w in e)
+            h = F.silu(e4m3(v).float() @ g.T) * (e4m3(v).float() @ u.T)
+            return (e4m3(h.to(torch.bfloat16)).float() @ dn.T).to(torch.bfloat16)
+    else:
+        def expert(v, e):
+            return swiglu(v, *e)
+    want = moe_experts(x, ids, weights, [lambda v, e=e: expert(v, e) for e in experts]).float()
     got = fused_moe(x, ids, weights, *stacked).float()
     err = (got - want).abs().max() / want.abs().max()
     assert err < 2e-2, err
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as fp8_act.quantize_groups stores it (e4m3, a scale per row and group), back in x's dtype."""
+    from preload.kernels.fp8_act import GROUP, quantize_groups
+
+    q, scales = quantize_groups(x.contiguous())
+    return (q.float().unflatten(-1, (-1, GROUP)) * scales[..., None]).flatten(-2).to(x.dtype)
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8_block", "fp8_per_tensor"])

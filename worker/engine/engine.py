@@ -20,6 +20,7 @@ from preload.ipc.kv_memory import KvMemory
 from preload.options import EngineOptions
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
+from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
@@ -76,11 +77,12 @@ def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
                  graphs: DecodeGraphs | None = None, fingerprint: str = "", draft: Transformer | None = None,
-                 kv_memory: Callable[[int], KvMemory] | None = None):
+                 kv_memory: Callable[[int], KvMemory] | None = None, prompt_graphs: PromptGraphs | None = None):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
         the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
         `graphs` (captured or to be captured against this engine's cache), decode steps
-        that fit them are replayed. `fingerprint`: the weights', part of every prefix-cache key.
+        that fit them are replayed; with `prompt_graphs` (prompt_graphs.py), the other steps
+        are replayed piecewise. `fingerprint`: the weights', part of every prefix-cache key.
         `draft`: the draft model of --speculative-config's method draft_model.
         `kv_memory`: gives the memory the caches are cut from, for the bytes they need
         (a supervised worker's, which outlives it: ipc/kv_memory.py); else the caches
@@ -108,7 +110,7 @@ class Engine:
         self.fingerprint = fingerprint
         # One block more than the manager hands out: the scratch block that a graph's padding rows use.
         self.scratch_block = num_blocks
-        self.graphs = graphs
+        self.graphs, self.prompt_graphs = graphs, prompt_graphs
         slots = (num_blocks + 1) * config.block_size
         memory, self.kv_memory = None, None
         if kv_memory is not None:
@@ -169,11 +171,19 @@ class Engine:
         return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.flight is not None)
 
     def capture_idle(self) -> bool:
-        """Capture the smallest decode graph a lazy start left (cuda_graphs.py), between
-        steps, while nothing waits; False if none is left."""
-        if self.graphs is None or self.drafter is not None or self.has_work():
+        """Capture the smallest decode graph a lazy start left (cuda_graphs.py), then a few
+        pieces of the largest bucket of prompt steps not captured yet (prompt_graphs.py: the
+        token budget is the size a busy engine's steps take most), between steps, while
+        nothing waits; False if none is left."""
+        if self.drafter is not None or self.has_work():
             return False
-        return self._capture(self.graphs.pending[:1])
+        if self.graphs is not None and self.graphs.pending:
+            return self._capture(self.graphs.pending[:1])
+        prompts = self.prompt_graphs
+        if prompts is not None and prompts.pending:
+            prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
+            return True
+        return False
 
     def _capture(self, sizes: list[int]) -> bool:
         """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200).
@@ -261,7 +271,11 @@ class Engine:
         if tokens is None:
             tokens = torch.tensor([t for seq, start, n in spans for t in seq.tokens(start, start + n)], device=dev)
         meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
-        hidden = self.model.forward(tokens, meta, self.cache)
+        prompt_graphs = self.prompt_graphs
+        if prompt_graphs is not None and self.drafter is None and prompt_graphs.fits(len(tokens)):
+            hidden = prompt_graphs.forward(tokens, meta, self.cache, self.scratch_block * self.blocks.block_size)
+        else:
+            hidden = self.model.forward(tokens, meta, self.cache)
         picked = hidden if rows == list(range(len(hidden))) else hidden[torch.tensor(rows, device=dev)]
         return self.model.logits(picked).log_softmax(-1), hidden
 

@@ -82,13 +82,14 @@ class MoE:
 
 
 def paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, pools: Pools, meta: AttentionMeta,
-                    scale: float) -> torch.Tensor:
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """A step's attention over the paged cache itself -> [T, H, dv]: its decode rows (the
     first meta.decode_rows, one token of a sequence each) in the absorbed form, kv_b folded
     into the query and the output (mla_decode); the others, prompts' chunks, in the expanded
     form, flash-style a chunk of context at a time (mla_prefill: Triton, so on a GPU or in
     Triton's interpreter). Expanded, a decode row's every context token would be
-    up-projected for its one query."""
+    up-projected for its one query. `out`: where to write it (a step replayed from CUDA
+    graphs reads it from there), else a new tensor."""
     heads, dn = q_nope.shape[1], q_nope.shape[2]
     d = meta.decode_rows
 
@@ -96,11 +97,15 @@ def paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor
         return mla_decode(q_nope[:rows], q_pe[:rows], *absorbed_weights(kv_b, heads, dn), pools, meta.block_table[:rows],
                           meta.context_lens[:rows], meta.block_size, meta.decode_context, scale)
 
-    if d == q_nope.shape[0]:
+    if d == q_nope.shape[0] and out is None:
         return absorbed(d)
+    if out is None:
+        out = q_nope.new_empty(q_nope.shape[0], heads, kv_b.shape[0] // heads - dn)
+    if d == q_nope.shape[0]:
+        out.copy_(absorbed(d))
+        return out
     from preload.kernels.mla_prefill import mla_prefill  # Triton: imported only where it runs
 
-    out = q_nope.new_empty(q_nope.shape[0], heads, kv_b.shape[0] // heads - dn)
     if d:
         out[:d] = absorbed(d)
     p = meta.prompts
@@ -134,7 +139,10 @@ class Attention:
             self._kv_b = dense(self.kv_b, dtype)
         return self._kv_b
 
-    def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope: Rope, positions: torch.Tensor, slots: torch.Tensor,
+                cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (q_nope [T, H, dn], roped q_pe [T, H, dr]) of x [T, D], its latents
+        written to the cache at `slots`: all of attention that is not the attending."""
         c = self.cfg
         if c.q_lora_rank:
             q = linear(rms_norm(linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps), self.q_b)
@@ -143,17 +151,23 @@ class Attention:
         q_nope, q_pe = q.unflatten(-1, (c.num_heads, c.qk_head_dim)).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         c_kv, k_pe = linear(x, self.kv_a).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = rms_norm(c_kv, self.kv_a_norm, c.rms_norm_eps)
-        q_pe, k_pe = rope_qk(q_pe, k_pe, meta.positions, *rope, c.rope.interleaved)
-        cache.write(self.layer, meta.slots, c_kv, k_pe)
+        q_pe, k_pe = rope_qk(q_pe, k_pe, positions, *rope, c.rope.interleaved)
+        cache.write(self.layer, slots, c_kv, k_pe)
+        return q_nope, q_pe
 
-        if meta.is_decode or x.is_cuda:
-            out = paged_attention(q_nope, q_pe, self.kv_b_dense(x.dtype), cache.pools(self.layer), meta, self.scale)
-            return linear(out.flatten(1), self.o)
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMeta, cache: LatentCache,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output [T, H * dv], before the output projection (into `out`, [T, H,
+        dv], if given: the GPU's form only)."""
+        if meta.is_decode or q_nope.is_cuda:
+            out = paged_attention(q_nope, q_pe, self.kv_b_dense(q_nope.dtype), cache.pools(self.layer), meta,
+                                  self.scale, out)
+            return out.flatten(1)
         # The CPU's (and training's, which autograd follows) form: gather each context, mask [B, Q, K].
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
-        out = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(x.dtype),
+        out = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(q_nope.dtype),
                            meta.mask, self.scale)
-        return linear(out[meta.q_valid].flatten(1), self.o)
+        return out[meta.q_valid].flatten(1)
 
 
 class Block:
@@ -172,11 +186,21 @@ class Block:
         """(feed-forward output, residual stream before it): their sum is the layer's output,
         which the next layer's first norm adds up itself (one launch for the add and the norm);
         residual None: x is the stream itself (the first layer)."""
+        q_nope, q_pe, residual = self.before_attention(x, residual, rope, meta.positions, meta.slots, cache)
+        return self.after_attention(self.attn.attend(q_nope, q_pe, meta, cache), residual)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, positions: torch.Tensor,
+                         slots: torch.Tensor, cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to attending: (q_nope, q_pe, residual stream), the latents cached."""
         if residual is None:
             h, residual = rms_norm(x, self.attn_norm, self.eps), x
         else:
             h, residual = add_rms_norm(x, residual, self.attn_norm, self.eps)
-        h, residual = add_rms_norm(self.attn(h, rope, meta, cache), residual, self.ffn_norm, self.eps)
+        return *self.attn.project(h, rope, positions, slots, cache), residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from the attention's output [T, H * dv] on: (feed-forward output, residual)."""
+        h, residual = add_rms_norm(linear(attended, self.attn.o), residual, self.ffn_norm, self.eps)
         return self.ffn(h), residual
 
     def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
