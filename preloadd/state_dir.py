@@ -25,8 +25,10 @@ KERNEL_CACHE_ENV = "TRITON_CACHE_DIR"  # Triton's: where the workers keep their 
 
 
 def prepare_state_dir(path: Path, others_allowed: bool, what: str = "state dir") -> None:
-    """Create the state dir, or check that an existing one is ours: 0700, or 0711 (others
-    may reach the sockets, not list the dir) when other uids or gids are allow-listed.
+    """Create the state dir, or check that an existing one is ours and writable by nobody
+    else (then made 0700, or 0711 (others may reach the sockets, not list the dir) when
+    other uids or gids are allow-listed): one that others could write is refused, not
+    chmod'ed, since what they may have put in it stays.
     Trusted only if nobody else could have made, replaced or redirected it, as ssh's
     StrictModes has it: the dir itself no symlink and ours; every directory above it root's
     or ours and writable by no one else (unless sticky, as /tmp is); no symlink on the way
@@ -53,6 +55,12 @@ def prepare_state_dir(path: Path, others_allowed: bool, what: str = "state dir")
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
             raise StateDirError(f"{what} {path} belongs to uid {st.st_uid}, not to us (uid {os.getuid()})")
+        if st.st_mode & 0o022:  # (as ssh's StrictModes: a chmod now would not undo what is already in it)
+            who = "its group" if st.st_mode & 0o020 else "others"
+            raise StateDirError(
+                f"{what} {path} is writable by {who} (mode {st.st_mode & 0o7777:o}): anything in it, a link that"
+                f" redirects a log or a cleanup, could have been planted. Check its contents, then chmod 700 it;"
+                f" or give a new dir")
         os.fchmod(fd, 0o711 if others_allowed else 0o700)
     finally:
         os.close(fd)

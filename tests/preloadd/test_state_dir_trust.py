@@ -1,6 +1,6 @@
-"""The state dir trusts no one (issue 13): a state dir another user made, one reached
-through a symlink, or one below a directory others may write is refused before anything
-is written there; `preload stop` signals only a daemon of ours for that state dir, never
+"""The state dir trusts no one (issues 13, 36): a state dir another user made, one reached
+through a symlink, one others could write (whatever they planted in it stays), or one below
+a directory others may write is refused before anything is written there; `preload stop` signals only a daemon of ours for that state dir, never
 a pid a planted lock file names; an allow-listed uid may attach but not restart or shut
 the daemon down."""
 
@@ -38,6 +38,29 @@ def test_a_symlinked_state_dir_is_refused_and_its_target_left_alone(tiny_checkpo
     r = start(tmp_path / "state", tiny_checkpoint)
     assert r.returncode != 0 and "not a directory of ours" in r.stderr, r.stderr
     assert os.stat(target).st_mode & 0o777 == 0o755 and not any(target.iterdir())
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o1777])
+def test_a_state_dir_others_could_write_is_refused_and_nothing_it_links_to_is_touched(tiny_checkpoint, tmp_path, mode):
+    """Issue 36's reproduction: links a group member planted before (the metrics dir, a
+    worker's log) would have been followed, their targets' files deleted or written; the
+    dir is refused instead, as ssh refuses a ~/.ssh others can write, with nothing done."""
+    state, victim, outside = tmp_path / "d" / "p", tmp_path / "v", tmp_path / "outside.log"
+    state.mkdir(parents=True, mode=0o700)
+    os.chmod(state, mode)
+    victim.mkdir()
+    (victim / "important.txt").write_text("k\n")
+    outside.write_text("mine\n")
+    for name, target in (("metrics", victim), ("worker-0.log", outside), ("keeper.log", outside)):
+        (state / name).symlink_to(target)
+    r = preload("start", "--model", str(tiny_checkpoint), "--state-dir", str(state), "--health-port", "0",
+                "--workers", "1", "--port", "0", "--device", "cpu")
+    if r.returncode == 0:
+        preload("stop", "--state-dir", str(state))
+    assert r.returncode != 0 and "writable by" in r.stderr and str(state) in r.stderr, r.stderr
+    assert (victim / "important.txt").read_text() == "k\n" and outside.read_text() == "mine\n"
+    assert sorted(p.name for p in state.iterdir()) == ["keeper.log", "metrics", "worker-0.log"]  # nothing added
+    assert os.stat(state).st_mode & 0o7777 == mode  # not chmod'ed either: the operator decides
 
 
 def test_a_state_dir_of_another_user_is_refused(tiny_checkpoint, tmp_path):
