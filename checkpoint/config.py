@@ -16,6 +16,15 @@ class ConfigError(ValueError):
     """The checkpoint's config.json is missing, malformed or describes a model we do not run."""
 
 
+# The config's sizes, each an integer of at least this (0: may be absent); their names in
+# config.json where ours differ.
+SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_layers": 1, "num_heads": 1, "kv_lora_rank": 1,
+         "qk_nope_head_dim": 1, "qk_rope_head_dim": 2, "v_head_dim": 1, "q_lora_rank": 1, "moe_intermediate_size": 0,
+         "n_routed_experts": 0, "n_shared_experts": 0, "num_experts_per_tok": 0, "first_k_dense_replace": 0,
+         "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "max_position_embeddings": 1, "num_mtp_layers": 0}
+JSON_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+              "num_mtp_layers": "num_nextn_predict_layers"}
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding settings; `factor` > 1 with `kind == "yarn"` stretches the context."""
@@ -90,6 +99,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        """ConfigError naming the field if `raw` is not a config this model runs (a size
+        that is not a positive integer included; that the files hold what the sizes say is
+        checked where they are read: shapes.declared_in_files)."""
         archs = raw.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -99,6 +111,8 @@ class ModelConfig:
             return cls._parse(raw, arch)
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def _parse(cls, raw: dict[str, Any], arch: str) -> ModelConfig:
@@ -143,6 +157,12 @@ class ModelConfig:
         return cfg
 
     def _validate(self) -> None:
+        for name, least in SIZES.items():  # (before any arithmetic: "abc" or 1.5 layers say so)
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{JSON_NAMES.get(name, name)}={value!r}: an integer >= {least}")
         if self.n_routed_experts:
             if self.num_experts_per_tok < 1 or self.num_experts_per_tok > self.n_routed_experts:
                 raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts]")

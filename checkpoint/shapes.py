@@ -80,10 +80,25 @@ def checkpoint_shapes(cfg: ModelConfig, with_mtp: bool) -> Shapes:
     return shapes
 
 
+def declared_in_files(cfg: ModelConfig, stored: Container[str]) -> None:
+    """ValueError naming the config's field if the files lack its last layer or expert:
+    checked before the tensors are listed (a config of 10^9 layers would list them for
+    minutes, holding gigabytes, before finding the first missing)."""
+    last = f"model.layers.{cfg.num_layers - 1}.input_layernorm.weight"
+    if last not in stored:
+        raise ValueError(f"num_hidden_layers={cfg.num_layers}, but the files hold no {last}")
+    moe = next((i for i in range(min(cfg.num_layers, 64)) if cfg.is_moe_layer(i)), None)
+    if moe is not None:
+        expert = f"model.layers.{moe}.mlp.experts.{cfg.n_routed_experts - 1}.down_proj.weight"
+        if expert not in stored:
+            raise ValueError(f"n_routed_experts={cfg.n_routed_experts}, but the files hold no {expert}")
+
+
 def wanted_shapes(cfg: ModelConfig, stored: Container[str]) -> Shapes:
     """The tensors the model runs from: the main model, and the MTP module when the
     config declares one and the files hold it (`stored`: the names they hold;
     transformers saves no MTP module)."""
+    declared_in_files(cfg, stored)
     mtp = mtp_shapes(cfg) if cfg.num_mtp_layers else {}
     with_mtp = bool(mtp) and all(name in stored for name in mtp)
     return checkpoint_shapes(cfg, with_mtp=with_mtp)

@@ -67,22 +67,24 @@ def status(state_dir, as_json):
         click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 
 
-def _stop_leftovers(state_dir, timeout: float) -> None:
-    """No daemon: SIGTERM what it left running (workers drain, then exit) and wait."""
+def _stop_leftovers(state_dir, timeout: float, killed: int | None = None) -> None:
+    """No daemon (or `killed`, the one just killed): SIGTERM what it left running (workers
+    drain, then exit) and wait."""
     import psutil
 
     from preload.preloadd.orphans import left_running
 
     left = left_running(state_dir)
+    gone = f"preload daemon (pid {killed}) killed" if killed else f"no preload daemon running on {state_dir}"
     if not left:
-        click.echo(f"no preload daemon running on {state_dir}")
+        click.echo(gone)
         return
     for p in left:
         p.terminate()
     gone, alive = psutil.wait_procs(left, timeout=timeout)
     for p in alive:
         p.kill()
-    click.echo(f"no preload daemon running on {state_dir}; stopped what it left running: "
+    click.echo(f"{gone}; stopped what it left running: "
                f"{', '.join(str(p.pid) for p in left)}" + (f" ({len(alive)} killed after {timeout:.0f} s)" if alive else ""))
 
 
@@ -143,8 +145,17 @@ def stop(state_dir, timeout):
     deadline = time.monotonic() + timeout
     while _alive(pid):
         if time.monotonic() > deadline:
-            click.echo(f"preload: daemon pid {pid} did not exit within {timeout:.0f} s", err=True)
-            sys.exit(1)
+            # A stop always stops (issue 36: a daemon busy in a hopeless load carried on after
+            # `stop` gave up): SIGKILL, then what it leaves (keeper, workers) as without a daemon.
+            if not _is_our_daemon(pid, state_dir):
+                click.echo(f"preload: daemon pid {pid} did not exit within {timeout:.0f} s", err=True)
+                sys.exit(1)
+            click.echo(f"preload: daemon pid {pid} did not exit within {timeout:.0f} s; killed (SIGKILL)", err=True)
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.05)
+            _stop_leftovers(state_dir, timeout, killed=pid)
+            return
         time.sleep(0.05)
     click.echo(f"preload daemon (pid {pid}) stopped")
 

@@ -168,8 +168,9 @@ def test_sigterm_stops_cleanly_and_removes_sockets(tiny_checkpoint, tmp_path):
 
 def test_stop_never_reports_a_hung_daemon_as_absent(tiny_checkpoint, tmp_path):
     """A daemon that does not answer (here: SIGSTOPped) is still running and still
-    holds the state dir: `preload stop` must end it anyway, or fail naming its pid;
-    saying that no daemon runs (and exiting 0) would leave the operator with a ghost."""
+    holds the state dir: `preload stop` must end it anyway (SIGKILL after --timeout: a
+    stop always stops, issue 36), saying so; saying that no daemon runs would leave the
+    operator with a ghost."""
     state_dir = tmp_path / "state"
     with running_daemon(state_dir, tiny_checkpoint) as d:
         os.kill(d.pid, signal.SIGSTOP)
@@ -179,10 +180,8 @@ def test_stop_never_reports_a_hung_daemon_as_absent(tiny_checkpoint, tmp_path):
             if not dead(d.pid):
                 os.kill(d.pid, signal.SIGCONT)
         assert "no preload daemon running" not in r.stdout + r.stderr
-        if r.returncode == 0:
-            assert dead(d.pid), "`preload stop` exited 0 but the daemon still runs"
-        else:
-            assert str(d.pid) in r.stderr
+        assert r.returncode == 0 and dead(d.pid), r.stdout + r.stderr
+        assert f"daemon pid {d.pid} did not exit within 5 s; killed" in r.stderr
 
 
 # A worker attached to the daemon: it hashes its weights, then on each line from the

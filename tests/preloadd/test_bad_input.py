@@ -184,6 +184,27 @@ def too_little_memory(ckpt: Path, work: Path) -> tuple[Path, Expect]:
     return model, ["memory"]
 
 
+def absurd_layer_count(ckpt: Path, work: Path) -> tuple[Path, Expect]:
+    """10^9 layers in config.json (issue 36: the daemon listed their tensors for minutes,
+    holding gigabytes, and `preload start` never returned)."""
+    model = copy_of(ckpt, work)
+    edit_config(model, num_hidden_layers=10**9)
+    return model, ["num_hidden_layers"]
+
+
+def absurd_expert_count(ckpt: Path, work: Path) -> tuple[Path, Expect]:
+    model = copy_of(ckpt, work)
+    edit_config(model, n_routed_experts=2**30, n_group=1, topk_group=1)
+    return model, ["n_routed_experts"]
+
+
+def size_not_a_number(ckpt: Path, work: Path) -> tuple[Path, Expect]:
+    """(It said "bad operand type for unary -".)"""
+    model = copy_of(ckpt, work)
+    edit_config(model, hidden_size="abc")
+    return model, ["hidden_size", "config.json"]
+
+
 CASES = {
     f.__name__.replace("_", "-"): f
     for f in (
@@ -201,6 +222,9 @@ CASES = {
         poisoned_weight(DENSE, float("nan"), "NaN"),
         poisoned_weight(EXPERT, float("-inf"), "Inf"),
         too_little_memory,
+        absurd_layer_count,
+        absurd_expert_count,
+        size_not_a_number,
     )
 }
 
