@@ -102,6 +102,15 @@ class Worker:
             return f"hung: its engine had work and made no step for {now - self.progress_at:.1f} s"
         return None
 
+    def excuse(self, seconds: float) -> None:
+        """Move its deadlines on by `seconds` the supervisor did not watch (its own stall)."""
+        if self.heard is not None:
+            self.heard += seconds
+        if self.deadline is not None:
+            self.deadline += seconds
+        self.since += seconds
+        self.progress_at += seconds
+
     def kill(self, reason: str) -> None:
         if self.kill_reason is None:
             self.kill_reason, self.stamps["killed"] = reason, time.time()

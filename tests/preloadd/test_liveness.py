@@ -171,3 +171,43 @@ def test_the_zygote_is_reaped_by_its_own_pid_with_its_own_exit_status(tiny_check
         line = f"zygote (pid {z.pid}) exited with status -9"
         assert wait_for(lambda: line in (d.state_dir / "daemon.log").read_text(), timeout=30), logs(d.state_dir)
         assert httpx.get(api(port) + "/health", timeout=10).status_code == 200
+
+
+def test_a_stalled_daemon_holds_its_own_stall_against_no_worker(tiny_checkpoint, tmp_path):
+    """Issue 36: the daemon SIGSTOPped for longer than --worker-timeout while clients run;
+    the workers serve on meanwhile (they need no daemon to), and when it resumes it kills
+    none of them as hung: its own stall is not their silence. No request fails."""
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port, 2, "--worker-timeout", "2")) as d:
+        before = {w["slot"]: w["pid"] for w in workers_of(d)}
+        results: list[str] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                try:
+                    complete(port, max_tokens=4, timeout=30)
+                    results.append("ok")
+                except (AssertionError, httpx.HTTPError) as e:
+                    results.append(f"{type(e).__name__}: {e}")
+
+        clients = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+        for t in clients:
+            t.start()
+        try:
+            assert wait_for(lambda: len(results) >= 5, timeout=60), "the load never got going"
+            os.kill(d.pid, signal.SIGSTOP)
+            time.sleep(6)  # three times --worker-timeout
+            served_while_stopped = len(results)
+            os.kill(d.pid, signal.SIGCONT)
+            time.sleep(4)  # two worker timeouts of a watching daemon
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+            stop.set()
+            for t in clients:
+                t.join(60)
+        after = {w["slot"]: w["pid"] for w in workers_of(d)}
+        assert after == before, f"workers replaced after the daemon's stall\n{logs(d.state_dir)}"
+        assert all(w["restarts"] == 0 for w in workers_of(d))
+        assert served_while_stopped > 5 and all(r == "ok" for r in results), [r for r in results if r != "ok"][:5]
+        assert "was stalled for" in (d.state_dir / "daemon.log").read_text()
