@@ -269,7 +269,7 @@ class Daemon:
             systemd.notify(READY="1", MAINPID=str(os.getpid()),
                            STATUS=f"ready: {o.workers} worker{'s' if o.workers != 1 else ''} on port {self.ports['api']}, fingerprint {fp}")
             while not self.stop_requested.wait(0.5):
-                pass
+                self._watch_keeper(api)
             self.state = "stopping"
             log.info("stopping")
             systemd.notify(STOPPING="1", STATUS="stopping")
@@ -290,6 +290,23 @@ class Daemon:
             if gpu_lock:
                 gpu_lock.release()
             lock.release()
+
+    def _watch_keeper(self, api) -> None:
+        """A keeper that died (killed, crashed) is replaced at once: a new one is given the
+        weights and the API socket, so that a later crash of this daemon still loses
+        nothing and the next `preload start` takes them back (issue 36: a dead keeper went
+        unnoticed, and after the daemon's death the API port could not be listened on)."""
+        k = self.keeper
+        if k is None or k.empty or not k.dead():
+            return
+        log.error("the keeper (pid %d) died; a new keeper takes the weights and the API socket", k.pid)
+        k.forget()
+        self.keeper = None  # (/status names a keeper once it holds them)
+        new = KeeperLink.spawn(self.opts.state_dir)
+        new.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
+        new.wait_kept()
+        self.keeper = new
+        log.info("a new keeper (pid %d) holds the weights and the API socket", new.pid)
 
     def _keeps(self) -> bool:
         """Whether a keeper holds the weights through a crash (cuda-ipc handles die with us)."""

@@ -122,6 +122,19 @@ class KeeperLink:
         self._handover = threading.Thread(target=handover, name="keeper-handover", daemon=True)
         self._handover.start()
 
+    def dead(self) -> bool:
+        """Whether the keeper has exited (killed, crashed): what it held is gone from it."""
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
+    def forget(self) -> None:
+        """Close what we hold of a dead keeper (reaping it if it was our child)."""
+        self.sock.close()
+        os.close(self._pidfd)
+        try:
+            os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
     def wait_kept(self) -> None:
         """Until the keeper holds what it was given (a daemon is crash-safe from then on)."""
         if self._handover is not None:

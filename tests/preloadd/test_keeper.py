@@ -101,6 +101,35 @@ def test_a_new_daemon_takes_back_the_weights_the_port_and_the_workers(tiny_check
     assert dead(keeper) and all(dead(pid) for pid in workers)
 
 
+def test_a_dead_keeper_is_replaced_so_that_the_daemons_death_still_loses_nothing(tiny_checkpoint, tmp_path):
+    """Issue 36: the keeper SIGKILLed, then the daemon: its death went unnoticed and the
+    next start could not listen on the port. Now a new keeper takes the weights and the
+    socket at once, and the next start takes all of it back, the workers too, with no
+    request failed."""
+    port, state_dir = free_port(), tmp_path / "state"
+    args = start_args(port, 1)
+    with running_daemon(state_dir, tiny_checkpoint, *args) as first:
+        s = first.status()
+        old_keeper, workers = s["keeper_pid"], sorted(w["pid"] for w in s["workers"])
+        with Load(port) as load:
+            wait_for(lambda: load.ok >= 5, timeout=30)
+            os.kill(old_keeper, 9)
+            keeper = wait_for(lambda: (k := first.status()["keeper_pid"]) not in (None, old_keeper) and k, timeout=30)
+            assert keeper and not dead(keeper), f"no new keeper\n{logs(state_dir)}"
+            assert "the keeper (pid %d) died" % old_keeper in (state_dir / "daemon.log").read_text()
+            kill_daemon(first)
+            with running_daemon(state_dir, tiny_checkpoint, *args) as second:
+                s = second.status()
+                assert s["readopted"] and s["keeper_pid"] == keeper
+                ws = wait_for(lambda: (w := ready_workers(second)) and len(w) == 1 and w, timeout=30)
+                assert sorted(w["pid"] for w in ws) == workers, f"{ws}\n{logs(state_dir)}"
+                served = load.ok
+                assert wait_for(lambda: load.ok >= served + 5, timeout=30)
+                load.stop()
+        assert load.failed == [], load.failed[:5]
+    assert daemon_processes(state_dir) == [] and dead(old_keeper) and dead(keeper)
+
+
 def test_a_daemon_with_other_settings_lets_the_kept_weights_go_and_retires_the_orphans(tiny_checkpoint, tmp_path):
     port, state_dir = free_port(), tmp_path / "state"
     with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as first:
