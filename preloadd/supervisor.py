@@ -39,12 +39,12 @@ from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
 from preload.preloadd.rolling import RollingRestart
-from preload.preloadd.workers import Slot, Worker, become_subreaper, close_fds, describe_exit, reap, reap_orphans, unregister
+from preload.preloadd.workers import (OwnStalls, Slot, Worker, become_subreaper, close_fds, describe_exit, reap,
+                                      reap_orphans, unregister)
 
 log = logging.getLogger("preload.daemon")
 
 TICK = 0.25  # seconds between turns when nothing happens: deadlines are this precise
-STALL = 1.0  # a turn later than TICK by more than this: the daemon itself was stalled
 
 
 class Supervisor:
@@ -74,7 +74,7 @@ class Supervisor:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
         self._snapshot: dict = {"workers": [], "spares": [], "zygote_restarts": 0}
-        self._last_turn = time.monotonic()
+        self._own_stalls = OwnStalls(TICK)
         self._published = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
 
@@ -158,7 +158,7 @@ class Supervisor:
         """One turn of the loop; True when stopped."""
         for key, _ in self._sel.select(TICK):
             key.data()
-        self._excuse_own_stall()
+        self._own_stalls.excuse(self.workers.values())
         while not self._requests.empty():
             self._handle(*self._requests.get())
         reap_orphans(self._known_pids())
@@ -372,22 +372,6 @@ class Supervisor:
                     f"restarting in {delay:.1f} s (crash loop)" if delay else "restarting now")
 
     # ---- liveness -----------------------------------------------------------------------------
-
-    def _excuse_own_stall(self) -> None:
-        """Deadlines count the time the daemon watched, not the time it was stalled itself
-        (SIGSTOPped, swapped out, a VM paused): a turn comes every TICK at most, so a longer
-        gap is the judge's stall, and what a worker did meanwhile (its beats lie unread in
-        the socket) cannot be held against it. Every worker's clocks move on by the stall
-        (issue 36: a daemon stopped for 10-37 s killed every healthy worker as hung when it
-        resumed)."""
-        now = time.monotonic()
-        stalled = now - self._last_turn - TICK - STALL
-        self._last_turn = now
-        if stalled <= 0:
-            return
-        log.warning("the daemon itself was stalled for %.1f s: its workers' deadlines move on as much", stalled + STALL)
-        for w in self.workers.values():
-            w.excuse(stalled + STALL)
 
     def _check_liveness(self) -> None:
         now = time.monotonic()

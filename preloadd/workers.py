@@ -263,3 +263,27 @@ def unregister(sel: selectors.BaseSelector, fileobj) -> None:
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+class OwnStalls:
+    """Deadlines count the time the daemon watched, not the time it was stalled itself
+    (SIGSTOPped, swapped out, a VM paused): its turns come every `tick` at most, so a gap
+    longer by over STALL seconds is the judge's stall, and what a worker did meanwhile (its
+    beats lie unread in its socket) cannot be held against it: every worker's deadlines
+    move on by the stall (issue 36: a daemon stopped for 10-37 s killed every healthy
+    worker as hung when it resumed)."""
+
+    STALL = 1.0
+
+    def __init__(self, tick: float):
+        self.tick, self.last = tick, time.monotonic()
+
+    def excuse(self, workers) -> None:
+        """Called once a turn."""
+        now = time.monotonic()
+        stalled = now - self.last - self.tick
+        self.last = now
+        if stalled > self.STALL:
+            log.warning("the daemon itself was stalled for %.1f s: its workers' deadlines move on as much", stalled)
+            for w in workers:
+                w.excuse(stalled)
