@@ -1,13 +1,15 @@
 """The control protocol between the daemon and its clients.
 
 Requests and replies are msgpack maps carrying the protocol version `v`; never
-pickle. Requests travel over a ZeroMQ socket (`control.sock`); arena file
-descriptors over a Unix socket beside it (`fds.sock`) with SCM_RIGHTS. Both live in
-the state dir (0700) with mode 0600, and the daemon checks each peer's uid.
+pickle; each framed by its length (4 bytes, big-endian). Requests travel over a Unix
+socket (`control.sock`); arena file descriptors over one beside it (`fds.sock`) with
+SCM_RIGHTS. Both live in the state dir (0700) with mode 0600, and the daemon checks
+each peer's credentials as it connects (preloadd/control.py).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import stat
@@ -62,10 +64,12 @@ def open_log(path: Path | str) -> int:
     """An fd appending to one of the state dir's logs (0600) that a process's stdout and
     stderr go to (a worker's, the keeper's): such a file cannot be rotated under the
     process writing it, so it is rotated here, as a process opens it, once past LOG_BYTES
-    (path.1 .. path.LOG_BACKUPS, the oldest dropped)."""
+    (path.1 .. path.LOG_BACKUPS, the oldest dropped). Never through a symbolic link (it
+    would write wherever the link points): a link there is refused, naming it."""
     path = Path(path)
     try:
-        if path.stat().st_size > LOG_BYTES:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size > LOG_BYTES:
             for i in range(LOG_BACKUPS - 1, 0, -1):
                 older = path.with_name(f"{path.name}.{i}")
                 if older.exists():
@@ -73,7 +77,19 @@ def open_log(path: Path | str) -> int:
             path.replace(path.with_name(f"{path.name}.1"))
     except FileNotFoundError:
         pass  # (a first start, or another process of the same log rotated it just now)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    return open_own(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+
+def open_own(path: Path | str, flags: int) -> int:
+    """os.open of a file in the state dir (0600 if made), never through a symbolic link:
+    one found there is refused with an OSError that says so (not ELOOP's "Too many levels
+    of symbolic links")."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"{path} is a symbolic link, which preload never writes through; remove it") from None
+        raise
 
 
 def log_output_to(path: Path | str) -> None:
@@ -84,8 +100,8 @@ def log_output_to(path: Path | str) -> None:
     os.close(fd)
 
 
-def control_address(state_dir: Path) -> str:
-    return f"ipc://{state_dir / 'control.sock'}"
+def control_socket_path(state_dir: Path) -> Path:
+    return Path(state_dir) / "control.sock"
 
 
 def fd_socket_path(state_dir: Path) -> Path:
@@ -126,31 +142,47 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
+HEADER = struct.Struct("!I")  # a frame's length
+
+
+def frame(msg: dict) -> bytes:
+    """`msg` encoded, its length first."""
+    data = encode(msg)
+    return HEADER.pack(len(data)) + data
+
+
 def send_with_fds(sock: socket.socket, msg: dict, fds: list[int]) -> None:
     """One length-prefixed message, the fds riding on its first bytes. The rest goes
     after them: one sendmsg may take only part of a large message (a socket with a
     timeout does not block until all of it is sent), and the rest must still follow."""
-    data = encode(msg)
-    frame = struct.pack("!I", len(data)) + data
-    sent = socket.send_fds(sock, [frame], fds)
-    if sent < len(frame):
-        sock.sendall(memoryview(frame)[sent:])
+    data = frame(msg)
+    sent = socket.send_fds(sock, [data], fds)
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
 
 
 def recv_with_fds(sock: socket.socket, max_fds: int = 16) -> tuple[dict, list[int]]:
-    """One length-prefixed message and the fds that came with it."""
-    first, fds, _, _ = socket.recv_fds(sock, 1 << 16, max_fds)
-    if len(first) < 4:
-        raise ProtocolError("short message on the fd socket")
-    (length,) = struct.unpack("!I", first[:4])
-    if length > MAX_MESSAGE:
+    """One length-prefixed message and the fds that came with it (on its first bytes).
+    Nothing past it is read: replies to requests sent together stay apart."""
+    head, fds, _, _ = socket.recv_fds(sock, HEADER.size, max_fds)
+    try:
+        if not head:
+            raise ProtocolError("connection closed")
+        (length,) = HEADER.unpack(head + _recv_exactly(sock, HEADER.size - len(head)))
+        if length > MAX_MESSAGE:
+            raise ProtocolError(f"message of {length} bytes exceeds {MAX_MESSAGE}")
+        return decode(_recv_exactly(sock, length)), fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ProtocolError(f"message of {length} bytes exceeds {MAX_MESSAGE}")
-    data = first[4:]
-    while len(data) < length:
-        chunk = sock.recv(length - len(data))
+        raise
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(min(n - len(data), 1 << 20))
         if not chunk:
-            raise ProtocolError("fd socket closed mid-message")
+            raise ProtocolError("connection closed mid-message")
         data += chunk
-    return decode(data), fds
+    return bytes(data)
