@@ -22,7 +22,9 @@ What is reported:
 
 With `rolling_restarts` (and the daemon's state dir), the same requests run a second
 time while `preload restart` replaces every worker that many times in a row, from the
-moment that run begins: what clients see of rolling restarts, beside the steady run.
+moment that run begins, and over again until the last restart has ended (so that every
+restart meets requests in flight): what clients see of rolling restarts, beside the
+steady run.
 """
 
 from __future__ import annotations
@@ -191,21 +193,24 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
             progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
             t0 = time.perf_counter()
             rounds = asyncio.create_task(asyncio.to_thread(restart_rounds, state_dir, rolling_restarts, t0))
-            records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
+            records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout, rounds)
             result["under_restarts"] = figures(records, wall) | {"restarts": await rounds}
     return result
 
 
 async def closed_loop(client: httpx.AsyncClient, model: str, work: list, concurrency: int,
-                      timeout: float) -> tuple[list[RequestRecord], float]:
+                      timeout: float, until: asyncio.Future | None = None) -> tuple[list[RequestRecord], float]:
     """`concurrency` clients, each sending its next request as soon as its previous one
-    ended, until `work` is done: the records and the wall time."""
+    ended, until `work` is done (and, with `until`, over again until it is done too): the
+    records and the wall time."""
     queue = list(reversed(work))
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
 
     async def client_loop():
-        while queue:
+        while queue or (until is not None and not until.done()):
+            if not queue:
+                queue.extend(reversed(work))
             prompt, max_tokens = queue.pop()
             records.append(await one_request(client, model, prompt, max_tokens, t0, timeout))
 
@@ -268,10 +273,10 @@ def format_table(result: dict) -> str:
     ]
     under = result.get("under_restarts")
     if under:
-        rounds = ", ".join(f"{r['seconds']:.2f} s from {r['started_s']:.2f} s" + ("" if r["ok"] else " (failed)")
-                           for r in under["restarts"])
-        lines += ["", f"the same requests again, during {len(under['restarts'])} `preload restart` round(s)"
-                      f" ({rounds}):", *run_lines(under)]
+        took = [r["seconds"] for r in under["restarts"]]
+        failed = sum(not r["ok"] for r in under["restarts"])
+        lines += ["", f"the same requests again, during {len(took)} `preload restart` round(s) of "
+                      f"{min(took):.2f}-{max(took):.2f} s ({failed} failed):", *run_lines(under)]
     return "\n".join(lines)
 
 

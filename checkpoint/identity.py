@@ -132,21 +132,28 @@ def checkpoint_record(model_dir: Path, digests: dict[str, str], sources: dict[st
     return Record(aux_digests(model_dir), files)
 
 
+def changed_on_disk(model_dir: Path, record: Record) -> tuple[list[str], list[str]]:
+    """What of `model_dir` is not as `record` found it, cheaply: the small files (config,
+    tokenizer: hashed) that differ, and the weight files missing or whose size, time or
+    inode changed (their tensors not read: they may still hold the same bytes)."""
+    aux = aux_digests(model_dir)
+    differ = [name for name in sorted(set(aux) | set(record.aux)) if aux.get(name) != record.aux.get(name)]
+    touched = [rel for rel, entry in record.files.items()
+               if not (model_dir / rel).exists() or tuple(file_identity(model_dir / rel)) != entry.identity]
+    return differ, touched
+
+
 def verify_checkpoint(model_dir: str | Path, record: Record) -> None:
     """Raise IdentityError, naming what differs, unless `model_dir` holds exactly the
     checkpoint described by `record`."""
     model_dir = Path(model_dir).resolve()
-    aux = aux_digests(model_dir)
-    for name in sorted(set(aux) | set(record.aux)):
-        if aux.get(name) != record.aux.get(name):
-            raise IdentityError(f"{model_dir / name} differs from the daemon's copy")
-    stale = {}
-    for rel, entry in record.files.items():
-        path = model_dir / rel
-        if not path.exists():
-            raise IdentityError(f"{path}: missing; the daemon loaded a checkpoint with this file")
-        if tuple(file_identity(path)) != entry.identity:
-            stale |= entry.tensors
+    aux, touched = changed_on_disk(model_dir, record)
+    if aux:
+        raise IdentityError(f"{model_dir / aux[0]} differs from the daemon's copy")
+    for rel in touched:
+        if not (model_dir / rel).exists():
+            raise IdentityError(f"{model_dir / rel}: missing; the daemon loaded a checkpoint with this file")
+    stale = {name: d for rel in touched for name, d in record.files[rel].tensors.items()}
     if not stale:
         return
     from preload.checkpoint.reader import CheckpointError, iter_checkpoint

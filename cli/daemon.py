@@ -14,6 +14,10 @@ from preload.cli.options import state_dir_option, state_dir_path
 from preload.preloadd.state_dir import lock_holder
 
 
+STATUS_WAIT = 5.0  # seconds for each way of asking the daemon (control socket, then health port)
+STATUS_KEYS = {"state", "model", "quant", "dtype", "device", "pid", "uptime_s", "fingerprint"}  # what a loading one shows
+
+
 @click.command()
 @state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print the full status as JSON.")
@@ -33,13 +37,18 @@ def status(state_dir, as_json):
             for proc in left:
                 click.echo(f"  pid {proc['pid']}: {proc['process']}", err=True)
         sys.exit(1)
+    t0 = time.monotonic()
     try:
-        with DaemonClient(state_dir, timeout=5) as client:
+        with DaemonClient(state_dir, timeout=STATUS_WAIT) as client:
             s = client.request("status")["status"]
     except DaemonUnavailable as e:
         s = _status_over_http(state_dir)  # a daemon still loading has no control socket yet
         if s is None:
-            click.echo(f"preload: {e}", err=True)
+            waited = time.monotonic() - t0
+            said = str(e) if waited < STATUS_WAIT else (
+                f"the daemon (pid {lock_holder(state_dir / 'daemon.lock')}) holds {state_dir} but answered neither its"
+                f" control socket nor its health port in {waited:.1f} s: stopped (SIGSTOP) or stalled")
+            click.echo(f"preload: {said}", err=True)
             sys.exit(1)
     if as_json:
         click.echo(json.dumps(s, indent=2))
@@ -114,9 +123,11 @@ def _status_over_http(state_dir) -> dict | None:
     if lock_holder(state_dir / "daemon.lock") != info.get("pid"):
         return None  # left by a daemon that is gone
     try:
-        return httpx.get(f"http://{info['health_host']}:{info['health_port']}/status", timeout=5).json()
+        s = httpx.get(f"http://{info['health_host']}:{info['health_port']}/status", timeout=STATUS_WAIT).json()
     except (httpx.HTTPError, ValueError, KeyError):
         return None
+    # (whatever listens on that port now may not be the daemon: only its own document is read)
+    return s if isinstance(s, dict) and s.get("pid") == info["pid"] and STATUS_KEYS <= s.keys() else None
 
 
 @click.command()
@@ -173,7 +184,11 @@ def restart(state_dir, now, timeout):
     try:
         with DaemonClient(state_dir, timeout=5) as client:
             before = {w["slot"]: w["pid"] for w in client.request("status")["status"]["workers"]}
-            client.request("restart", now=now)
+            changed = client.request("restart", now=now).get("checkpoint_changed")
+            if changed:
+                click.echo(f"preload: the checkpoint changed on disk since the daemon loaded it ({', '.join(changed)});"
+                           " the workers restart on the weights it holds; `preload stop` and `preload start` load the"
+                           " files as they are now", err=True)
             while True:
                 workers = client.request("status")["status"]["workers"]
                 if all(w["pid"] not in (None, before.get(w["slot"])) and w["state"] == "ready" for w in workers):

@@ -60,8 +60,11 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     notify = _notifier(notify_fd)
     os.umask(0o077)  # sockets, logs and lock: owner only
     zygote = None
+    try:  # (`start` checked the state dir)
+        _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)
+    except OSError as e:  # nowhere to log to: said to the operator, no traceback
+        return _failed(f"preload: the daemon's log: {e.strerror}", notify, notify_fd)
     try:
-        _log_to(options.state_dir / "daemon.log", to_stderr=notify_fd is None)  # (`start` checked the state dir)
         if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
             zygote = launch_early(options.state_dir)
             log.info("zygote launched (pid %d): its imports overlap the daemon's start and load", zygote.pid)
@@ -75,14 +78,18 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
         return 130
     except Exception as e:  # one line for the operator; the traceback goes to the log
         log.error("start failed: %s", e, exc_info=True)
-        message = f"preload: {e}"
-        notify({"error": message})
-        if notify_fd is None:
-            click.echo(message, err=True)
-        return 1
+        return _failed(f"preload: {e}", notify, notify_fd)
     finally:
         if zygote is not None:
             zygote.discard()  # (reaped already, unless the start failed before its supervisor took it)
+
+
+def _failed(message: str, notify, notify_fd: int | None) -> int:
+    """A failed start, said once: to the waiting `preload start`, or here in the foreground."""
+    notify({"error": message})
+    if notify_fd is None:
+        click.echo(message, err=True)
+    return 1
 
 
 def _start_cuda(options: DaemonOptions) -> None:
@@ -114,10 +121,19 @@ def read_ahead(model_dir: Path) -> None:
 def _log_to(path: Path, to_stderr: bool) -> None:
     # Rotated: a daemon runs for months. (What its stderr gets, a crash at import, stays in
     # the file it was opened on.)
-    handlers: list[logging.Handler] = [RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
+    handlers: list[logging.Handler] = [OwnRotatingLog(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
     if to_stderr:
         handlers.append(logging.StreamHandler())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=handlers, force=True)
+
+
+class OwnRotatingLog(RotatingFileHandler):
+    """The daemon's log, opened (and reopened after each rotation) never through a symbolic
+    link: a link planted as daemon.log is refused, not written through."""
+
+    def _open(self):
+        fd = protocol.open_own(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        return os.fdopen(fd, self.mode, encoding=self.encoding, errors=self.errors)
 
 
 def _notifier(fd: int | None):
@@ -140,7 +156,10 @@ def _start_in_background(options: DaemonOptions) -> int:
     log_path = state_dir / "daemon.log"
     read_fd, write_fd = os.pipe()
     # The daemon's own stderr goes to its log, so that even a crash at import is on record.
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    try:
+        log_fd = protocol.open_own(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except OSError as e:
+        raise click.ClickException(f"the daemon's log: {e.strerror}") from None
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()  # (this process has no threads yet, and imports no torch: safe to fork)
@@ -191,7 +210,10 @@ def _start_in_background(options: DaemonOptions) -> int:
                 os.waitpid(pid, 0)
                 return 1
     code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    click.echo(f"preload: the daemon exited with status {code} before it was ready; see {log_path}", err=True)
+    if code == 130:  # (its SIGTERM/SIGINT handler: `preload stop` or a signal while it started)
+        click.echo(f"preload: the daemon was stopped before it was ready (pid {pid})", err=True)
+    else:
+        click.echo(f"preload: the daemon exited with status {code} before it was ready; see {log_path}", err=True)
     return 1
 
 

@@ -10,9 +10,9 @@ vllm:num_requests_running and vllm:kv_cache_usage_perc straight from /metrics). 
 are made at scrape time from what was collected (`Exposition`): the same families, renamed,
 never a second set of counters, so their values equal the preload_* ones by construction,
 in one process as in the multiprocess mode (where they are renamed from what
-MultiProcessCollector reads from the files). Our label names stay (model_name, worker); the
-daemon's own /metrics, which reads the same files, carries the vLLM names too when its
-workers run with the option (preloadd/health.py).
+MetricsDirCollector reads from the files: ipc/metrics_files.py). Our label names stay
+(model_name, worker); the daemon's own /metrics, which reads the same files, carries the
+vLLM names too when its workers run with the option (preloadd/health.py).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def renamed(family: Metric, name: str) -> Metric:
 
 class Exposition(Collector):
     """What a /metrics serves: the families `source` collects (a registry, or a
-    MultiProcessCollector over the workers' files), and with `vllm_names` each that vLLM has
+    MetricsDirCollector over the workers' files), and with `vllm_names` each that vLLM has
     once more under vLLM's names, copied from the same collection (one read of the files)."""
 
     def __init__(self, source: Collector, vllm_names: bool = False):

@@ -47,6 +47,7 @@ from preload.kernels.precision import stored_specs
 from preload.preloadd.weights import Loaded, LoadError, Progress
 
 LOADER_THREADS = 16
+POPULATE_CHUNK = 64 << 20  # bytes of a tensor's pages mapped in at once (a stop is seen between two)
 WIDENED = ("bfloat16", "float16")  # to float32, exactly
 
 
@@ -164,10 +165,13 @@ def load_copied(model_dir: Path, quant: str, dtype: str, device: str, transport:
             on_device = plan.checked_on_device and finite_device.checkable(source.dtype if quantized else entry.dtype)
             spent = {"read": 0.0, copying_in: 0.0}
             t = time.perf_counter()
-            populate(addresses[source.path] + source.start, source.end - source.start)  # (pages.py)
+            for at in range(source.start, source.end, POPULATE_CHUNK):  # (pages.py)
+                progress.check()
+                populate(addresses[source.path] + at, min(POPULATE_CHUNK, source.end - at))
             spent["read"] = time.perf_counter() - t
 
             def visit(_part: int, at: int, chunk: memoryview) -> None:
+                progress.check()
                 if not on_device and not all_finite(source.dtype, chunk):
                     raise nonfinite(source.path, name)
                 t = time.perf_counter()

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from preload.checkpoint.config import ModelConfig, weights_dtype
+from preload.checkpoint.identity import changed_on_disk
 from preload.ipc.arena import HeldArena, default_transport
 from preload.ipc.devices import gpu_uuid, memory_info, resolve_device_name
 from preload.ipc.protocol import ProtocolError, fd_socket_path
@@ -29,7 +30,7 @@ from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd import keeper, systemd
 from preload.preloadd.control import ControlServer, PeerPolicy
 from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
-from preload.preloadd.health import DaemonMetrics, HttpServer, make_app
+from preload.preloadd.health import DaemonMetrics, HttpServer, make_app, prepare_metrics_dir
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
 from preload.preloadd.state_dir import (
@@ -128,12 +129,21 @@ class Daemon:
             if self.supervisor is None:
                 return {"ok": False, "error": "this daemon runs no workers (start it with --workers N)"}
             self.supervisor.restart(now=bool(msg.get("now")))
-            return {}
+            return {"checkpoint_changed": self._changed_on_disk()}
         if op == "shutdown":
             log.info("shutdown requested by pid %d", pid)
             self.stop_requested.set()
             return {}
         raise AssertionError(op)
+
+    def _changed_on_disk(self) -> list[str]:
+        """The checkpoint's files that changed since the load (a restart keeps the weights
+        loaded: said, not done silently; a new start would load the files as they are)."""
+        aux, touched = changed_on_disk(self.r.model, self.loaded.manifest.record)
+        if aux or touched:
+            log.warning("restart: the checkpoint changed on disk since the load (%s); the workers restart on the weights"
+                        " loaded (fingerprint %s)", ", ".join(aux + touched), self.loaded.manifest.fingerprint)
+        return aux + touched
 
     def room_for(self, kv_cache_bytes: int) -> bool:
         """Whether one more KV cache of this size fits on the device within the
@@ -222,14 +232,10 @@ class Daemon:
                 if r.device != "cpu":  # (the CPU's kernels are torch's: nothing compiled)
                     os.environ[KERNEL_CACHE_ENV] = str(kernel_cache_dir(o.state_dir))
                 # The workers' metrics, one file per process, read together by every /metrics
-                # (worker/api/metrics.py); a killed daemon's are stale, but not those of the
-                # workers it left, which this daemon takes over.
+                # (worker/api/metrics.py): those of the workers a killed daemon left carry on, with
+                # what the ones that died meanwhile counted (health.prepare_metrics_dir).
                 metrics_dir = o.state_dir / METRICS_DIR
-                metrics_dir.mkdir(mode=0o700, exist_ok=True)
-                for f in metrics_dir.iterdir():
-                    pid = f.stem.rpartition("_")[2]
-                    if not (pid.isdigit() and psutil.pid_exists(int(pid))):
-                        f.unlink()
+                prepare_metrics_dir(metrics_dir)
                 os.environ[MULTIPROC_ENV] = str(metrics_dir)
                 self.metrics.read_workers(metrics_dir, vllm_names=o.worker.vllm_metrics)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
@@ -414,8 +420,9 @@ class Daemon:
         def stop(signum, _frame):
             log.info("received %s", signal.Signals(signum).name)
             self.stop_requested.set()
-            if self.state == "loading":
-                raise KeyboardInterrupt  # abandon the load; run()'s cleanup still happens
+            if self.state in ("starting", "loading"):  # (loading lasts until every worker is ready)
+                self.progress.cancelled.set()  # the loader's threads end at their next chunk
+                raise KeyboardInterrupt  # abandon the start; run()'s cleanup still happens
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)

@@ -5,22 +5,26 @@ Three routes on Starlette, FastAPI's base, not FastAPI: imported after torch, Fa
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from preload.ipc.exposition import Exposition
-from preload.preloadd.state_dir import MULTIPROC_ENV
+from preload.ipc.metrics_files import MetricsDirCollector, absorb, owners
+from preload.preloadd.state_dir import MULTIPROC_ENV, StateDirError
+
+log = logging.getLogger("preload.daemon")
 
 
 class DaemonMetrics:
@@ -38,13 +42,45 @@ class DaemonMetrics:
         too when its workers export those (`vllm_names`: they run with --vllm-metrics,
         which the daemon's workers all share), so that a scraper pointed at either port
         sees the same series."""
-        self.registry.register(Exposition(MultiProcessCollector(None, path=str(directory)), vllm_names))
+        self.registry.register(Exposition(MetricsDirCollector(directory), vllm_names))
 
 
 def worker_gone(pid: int) -> None:
-    """A reaped worker's gauges leave the sums (its counters stay: they never go down)."""
+    """A reaped worker's gauges leave the sums; its counts stay in them (they never go
+    down), merged into the directory's archives, and its files go (ipc/metrics_files.py).
+    Any other dead process's files go the same way: an orphan that died before it was
+    adopted, a worker's own child. Called by the supervisor's thread as it reaps."""
     if MULTIPROC_ENV in os.environ:
-        mark_process_dead(pid)
+        directory = Path(os.environ[MULTIPROC_ENV])
+        try:
+            absorb(directory, {pid} | dead_owners(directory))
+        except Exception:  # (bookkeeping: it must never stop the supervisor; the files stay, counted as before)
+            log.exception("the metrics files of pid %d could not be merged", pid)
+
+
+def dead_owners(directory: Path) -> set[int]:
+    """The pids of files in `directory` whose processes have exited (a zombie, not
+    reaped yet, has not: it is absorbed when it is)."""
+    return {pid for pid in owners(directory) if not psutil.pid_exists(pid)}
+
+
+def prepare_metrics_dir(directory: Path) -> None:
+    """The workers' metrics dir as a starting daemon finds it. If workers of the last
+    daemon live (their files' pids), they carry their series on, to be adopted: the
+    files of those that died while no daemon watched are absorbed (the sums never go
+    down). If none lives, nothing carries the series on: every file goes and the counts
+    start anew, as any restarted server's do."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if directory.is_symlink():  # (its files are deleted below: never those of where a link points)
+        raise StateDirError(f"{directory} is a symbolic link, which preload never follows; remove it")
+    dead = dead_owners(directory)
+    if owners(directory) - dead:
+        absorb(directory, dead)
+        for f in directory.glob(".*.tmp"):  # a crashed absorb's
+            f.unlink()
+    else:
+        for f in directory.iterdir():
+            f.unlink()
 
 
 def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> Starlette:

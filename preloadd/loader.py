@@ -71,6 +71,7 @@ def load(
                    and entry.dtype == str(src.tensor.dtype).removeprefix("torch.") and entry.shape == tuple(src.tensor.shape))
 
         def visit(part: int, at: int, chunk: memoryview) -> None:
+            progress.check()
             if not all_finite(str(parts[part].dtype).removeprefix("torch."), chunk):
                 raise nonfinite(src.path, f"{src.name} scales" if part else src.name)
             if as_read:
@@ -104,6 +105,7 @@ def load(
             pending: set[Future] = set()
             sources_in_order = iter_checkpoint(model_dir, cfg)  # reads stay in order, one file region at a time
             while True:
+                progress.check()
                 with progress.timed("read"):  # (the pages mapped in: reader.populate)
                     src = next(sources_in_order, None)
                 if src is None:

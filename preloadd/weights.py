@@ -24,6 +24,10 @@ class LoadError(RuntimeError):
     pass
 
 
+class LoadCancelled(LoadError):
+    """The daemon was told to stop while it loaded: the loader threads end at their next chunk."""
+
+
 # read: pages mapped in; hash: the one pass over each source tensor, chunk by chunk: hashed,
 # checked for NaN and Inf, and (stored as read) copied in, which preloadd/copy_loader.py times
 # apart as write (host) or upload (GPU); upload, quantize and write: the rest's way in.
@@ -44,7 +48,15 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     seconds: float | None = None  # set once loaded
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)  # set by a stop mid-load
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def check(self) -> None:
+        """Raise LoadCancelled once the load is cancelled: each loader thread asks between
+        chunks, so that a stop during a load ends it within a chunk's time (a pool waits for
+        the tensors in flight, which were read to the end before: 7-19 s on a cold disk)."""
+        if self.cancelled.is_set():
+            raise LoadCancelled("the load was cancelled: the daemon is stopping")
 
     @contextmanager
     def timed(self, stage: str):

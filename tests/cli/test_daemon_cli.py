@@ -184,6 +184,70 @@ def test_stop_never_reports_a_hung_daemon_as_absent(tiny_checkpoint, tmp_path):
         assert f"daemon pid {d.pid} did not exit within 5 s; killed" in r.stderr
 
 
+
+def test_status_of_a_stalled_daemon_says_so_and_reads_no_foreign_document(tiny_checkpoint, tmp_path):
+    """Issue 36: a SIGSTOPped daemon answers neither its control socket nor its health
+    port; `preload status` says so with the time it really waited (it once said "5000 ms"
+    after 10.5 s). What answers on the health port meanwhile (here: another program's
+    /status, as if the port had been taken) is not read as the daemon's (it once failed
+    with a raw KeyError 'uptime_s')."""
+    import http.server
+    import threading
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok", "service": "something else"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    state_dir = tmp_path / "state"
+    try:
+        with running_daemon(state_dir, tiny_checkpoint) as d:
+            info = json.loads((state_dir / "daemon.json").read_text())
+            (state_dir / "daemon.json").write_text(json.dumps(info | {"health_port": server.server_address[1]}))
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                r = preload("status", "--state-dir", state_dir, timeout=60)
+                waited = time.monotonic() - t0
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            line = one_line(r.stderr)
+            assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+            said = re.search(rf"the daemon \(pid {d.pid}\) holds .* but answered neither its control socket nor its"
+                             r" health port in ([0-9.]+) s: stopped \(SIGSTOP\) or stalled", line)
+            assert said, line
+            assert 5.0 <= float(said.group(1)) <= waited, (said.group(1), waited)
+    finally:
+        server.shutdown()
+
+
+def test_a_link_planted_as_the_daemons_log_is_refused_not_written_through(tiny_checkpoint, tmp_path):
+    """Issue 36: a symbolic link where daemon.log goes is refused with one line that
+    names it (not a traceback), in the background and in the foreground, and what it
+    points to is untouched."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    target = tmp_path / "outside.log"
+    target.write_text("keep\n")
+    (state_dir / "daemon.log").symlink_to(target)
+    for foreground in ((), ("--foreground",)):
+        r = preload("start", "--model", tiny_checkpoint, "--device", "cpu", "--workers", 0, "--state-dir", state_dir,
+                    "--port", free_port(), *foreground, timeout=60)
+        assert r.returncode == 1, r.stdout + r.stderr
+        line = one_line(r.stderr)
+        assert f"{state_dir / 'daemon.log'} is a symbolic link, which preload never writes through" in line, line
+    assert target.read_text() == "keep\n"
+    assert not daemon_processes(state_dir)
+
 # A worker attached to the daemon: it hashes its weights, then on each line from the
 # test checks them again, and at the end lets go of them.
 ATTACHED_WORKER = r"""

@@ -27,7 +27,7 @@ from preload.ipc.arena import create_arena
 from preload.preloadd import copy_loader, loader
 from preload.preloadd.copy_loader import copy_plan, load_copied
 from preload.preloadd.loader import load
-from preload.preloadd.weights import LoadError, Progress
+from preload.preloadd.weights import LoadCancelled, LoadError, Progress
 
 
 def arena_bytes(loaded) -> bytes:
@@ -97,6 +97,37 @@ def test_a_nan_is_named_and_nothing_is_left_behind(tiny_checkpoint, tmp_path, mo
     with pytest.raises(LoadError, match=f"tensor {name} holds NaN or Inf"):
         load_copied(model, "none", "float32", "cpu", "memfd", Progress())
     assert len(os.listdir("/proc/self/fd")) == fds  # the arena's memfd and the files' fds are closed
+
+
+@pytest.mark.parametrize("copied", [True, False], ids=["copy", "computing"])
+def test_a_load_cancelled_midway_ends_at_the_next_chunk_and_leaves_nothing(tiny_checkpoint, monkeypatch, copied):
+    """Issue 36: `preload stop` during a load waited for the tensors in flight to be read
+    to the end (7-19 s on a cold disk) and a worker could start after it. Cancelled after
+    the first tensor, each loader's threads stop at their next chunk: few tensors more are
+    done, no chunk is read after the cancel, the arena and the files' fds are closed."""
+    monkeypatch.setattr(identity, "CHUNK_BYTES", 256)  # (many chunks a tensor: a stop is seen mid-tensor)
+    progress, chunks_before, chunks_after = Progress(), [], []
+
+    def on_progress(p: Progress) -> None:
+        p.cancelled.set()  # as the daemon's SIGTERM handler does
+
+    def counting_all_finite(dtype, chunk):  # (each chunk's first work in both loaders)
+        (chunks_after if progress.cancelled.is_set() else chunks_before).append(len(chunk))
+        return all_finite(dtype, chunk)
+
+    monkeypatch.setattr(copy_loader, "all_finite", counting_all_finite)
+    monkeypatch.setattr(loader, "all_finite", counting_all_finite)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LoadCancelled, match="the daemon is stopping"):
+        if copied:
+            load_copied(tiny_checkpoint, "none", "float32", "cpu", "memfd", progress, on_progress)
+        else:
+            load(tiny_checkpoint, "none", torch.float32, torch.device("cpu"), "memfd", progress, on_progress)
+    threads = min(os.cpu_count() or 1, copy_loader.LOADER_THREADS if copied else loader.LOADER_THREADS)
+    assert 1 <= progress.tensors_done <= threads, progress.tensors_done  # (the first, and those already past their last chunk)
+    assert progress.tensors_done < progress.tensors_total
+    assert chunks_before and chunks_after == []  # no chunk was worked on after the cancel
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 class CheckedByDevice:

@@ -9,8 +9,11 @@ Under a daemon every worker writes its series to files in one directory (prometh
 client's multiprocess mode: the daemon sets PROMETHEUS_MULTIPROC_DIR under its state dir),
 and any process's /metrics reads them all: a scrape of the shared API port gives the same
 sums whichever worker answers, and the counts of a replaced worker stay in them, so a
-counter never goes down. Gauges count live workers only (the daemon marks a reaped
-worker dead). A worker on its own keeps its series in memory.
+counter never goes down. Gauges count live workers only. The daemon merges a reaped
+worker's counts into the directory's archives and removes its files, so that the
+directory stays small however often workers restart (ipc/metrics_files.py: a scrape
+reads it in a way that counts each value once while that happens). A worker on its own
+keeps its series in memory.
 
 --vllm-metrics: every series that vLLM has also under vLLM's name (ipc/exposition.py).
 """
@@ -20,9 +23,9 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from preload.ipc.exposition import Exposition
+from preload.ipc.metrics_files import MetricsDirCollector
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sequence import Sequence
 
@@ -38,7 +41,7 @@ class WorkerMetrics:
         # shared: the values live in the directory's files (every process's), else in this registry
         r = None if shared else CollectorRegistry()
         self.registry = CollectorRegistry()  # what /metrics exposes
-        self.registry.register(Exposition(MultiProcessCollector(None) if shared else r, vllm_names))
+        self.registry.register(Exposition(MetricsDirCollector(os.environ[MULTIPROC_ENV]) if shared else r, vllm_names))
         labels = ["model_name", "worker"]
 
         def counter(name: str, help_: str, extra: tuple = ()) -> Counter:
