@@ -4,13 +4,15 @@ a matcher per sequence, which says which tokens may come next and follows each t
 drawn. The sampler masks every other token (sampler.steer), so an output the grammar
 finished always parses.
 
-llguidance reads the checkpoint's own tokenizer.json (no transformers), and is imported
-only when a request asks for structured output.
+A grammar is refused when compiled, at a request's admission, unless it can start an
+output (`problem`). llguidance reads the checkpoint's own tokenizer.json (no
+transformers), and is imported only when a request asks for structured output.
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 import torch
 
@@ -27,10 +29,7 @@ def json_schema_grammar(schema: dict) -> str:
         grammar = LLMatcher.grammar_from_json_schema(closed(schema), defaults={"whitespace_flexible": False})
     except Exception as e:  # noqa: BLE001 - llguidance says what is wrong in its message
         raise ValueError(f"not a JSON schema llguidance can follow: {e}") from None
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error)
-    return grammar
+    return checked(grammar, "schema")
 
 
 NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # maps of name -> schema
@@ -58,22 +57,93 @@ def closed(schema):
     return out
 
 
-def regex_grammar(pattern: str) -> str:
+def regex_grammar(pattern: str, what: str = "regex") -> str:
     """The llguidance grammar of a regular expression; ValueError if it is not one."""
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_regex(pattern)
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(error.strip().splitlines()[0])
-    return grammar
+    try:
+        grammar = LLMatcher.grammar_from_regex(pattern)
+    except Exception as e:  # noqa: BLE001 - llguidance says what is wrong in its message
+        raise ValueError(f"not a regex llguidance can follow: {e}") from None
+    return checked(grammar, what)
 
 
 def choice_grammar(choices: list[str]) -> str:
     """Exactly one of `choices`."""
     if not choices:
         raise ValueError("choice needs at least one string")
-    return regex_grammar("(" + "|".join(re.escape(c) for c in choices) + ")")
+    return regex_grammar("(" + "|".join(re.escape(c) for c in choices) + ")", "choice")
+
+
+def checked(grammar: str, what: str) -> str:
+    """`grammar` (of a `what`: schema, regex, choice) if it can start an output, else
+    ValueError naming why not (problem)."""
+    error = problem(grammar, what)
+    if error:
+        raise ValueError(error)
+    return grammar
+
+
+@lru_cache(maxsize=256)  # once per distinct grammar: clients send the same schema again and again
+def problem(grammar: str, what: str) -> str | None:
+    """What keeps `grammar` from starting an output, or None. Beyond llguidance's own
+    validation, a grammar that compiles may still match no text at all (a schema that
+    only refers to itself), or exceed llguidance's limits as soon as it runs (the regex
+    (a{1000}){1000}): in the engine, the first ends its output at once, empty, and the
+    second fails the request after seconds of work. So its first step is taken here, at
+    admission, where the request is still the client's to fix."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar)
+    if error:  # its first line, and the line that says what is wrong if it is another
+        lines = [line.strip() for line in error.strip().splitlines()]
+        return " ".join(lines[:1] + [line for line in lines[1:] if line.startswith("error:")])
+    reason = first_step_error(grammar)
+    if reason in NO_TEXT:
+        return f"no text matches this {what}, so no output could follow it (llguidance: {reason})"
+    if reason:
+        return f"this {what} is too complex to follow: llguidance: {reason}"
+    return None
+
+
+NO_TEXT = ("NoExtension", "NoExtensionBias")  # llguidance's reasons when nothing may come first, not even the end
+
+
+def first_step_error(grammar: str) -> str | None:
+    """llguidance's reason why `grammar` cannot take its first step, or None: a matcher
+    over a tokenizer of single bytes computes its first mask and takes the first byte it
+    allows. Whether any text matches is the grammar's own property, which any tokenizer
+    shows; the byte one costs well under a millisecond for the usual schema, where the
+    model's (up to 128k tokens, in the engine) would cost more. Its limits are
+    llguidance's defaults, as the engine's (Grammars.matcher)."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(byte_tokenizer(), grammar, log_level=0)
+    first = allowed(matcher, BYTES + 1)[:BYTES].nonzero().flatten()
+    if not matcher.is_error() and (len(first) == 0 or matcher.consume_token(int(first[0]))):
+        return None  # (no byte but the end allowed: the one text it matches is empty, a fine output)
+    # A lexer over its limits says so only once a token is consumed. The message's first
+    # line is the reason, the rest a dump of the matcher's state.
+    return matcher.get_error().strip().splitlines()[0]
+
+
+BYTES = 256  # byte_tokenizer's tokens; its end-of-text token is the next id
+
+
+@lru_cache(maxsize=1)
+def byte_tokenizer():
+    """An llguidance tokenizer whose tokens are the 256 bytes, and an end token."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    class Bytes:
+        eos_token_id, bos_token_id = BYTES, None
+        tokens = [bytes([b]) for b in range(BYTES)] + [b"<end>"]
+        special_token_ids = [BYTES]
+
+        def __call__(self, text: bytes) -> list[int]:
+            return list(text)
+
+    return LLTokenizer(TokenizerWrapper(Bytes()))
 
 
 class Grammars:
@@ -93,9 +163,9 @@ class Grammars:
 
 
 def allowed(matcher, vocab: int) -> torch.Tensor:
-    """The tokens `matcher` allows next, as a bool mask [vocab] (on the host)."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
-    bits = allocate_token_bitmask(1, vocab)
-    fill_next_token_bitmask(matcher, bits, 0)
-    return ((bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:vocab]
+    """The tokens `matcher` allows next, as a bool mask [vocab] (on the host). (Filled as
+    llguidance.torch fills it, without importing that module: it imports torch's compiler,
+    seconds of a first request's time.)"""
+    bits = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
+    return ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:vocab]

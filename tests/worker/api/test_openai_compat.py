@@ -215,3 +215,20 @@ def test_choice_and_regex_as_vllm_spells_them(client, name):
     out = client.completions.create(model=name, prompt="t5", n=8, seed=2, temperature=1.0, max_tokens=10,
                                     extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-c]"}})
     assert all(re.fullmatch("[0-9]{3}-[a-c]", c.text) for c in out.choices), [c.text for c in out.choices]
+
+
+@pytest.mark.parametrize("field, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format: no text matches this schema"),
+    ({"structured_outputs": {"regex": "(a{1000}){1000}"}},
+     "structured output: this regex is too complex to follow: llguidance: lexer error: too many expressions"),
+], ids=["self-referring-schema", "regex-over-limits"])
+def test_a_grammar_that_cannot_start_is_a_400_naming_why(worker, field, says):
+    """Refused at admission: not a 200 with empty text (a schema no text matches), nor a
+    500 after seconds of work (a regex over llguidance's limits). Valid ones still run."""
+    for route, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "t5"})):
+        r = worker.post(route, body | field | {"max_tokens": 8})
+        assert r.status_code == 400, r.text
+        assert says in r.json()["error"]["message"], r.json()
+    ok = worker.post("/v1/completions", {"prompt": "t5", "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"}})
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["text"]), ok.text
