@@ -13,12 +13,14 @@ from a peer of its own uid (the kernel's word, ZeroMQ's Peer-Address). Messages:
      "takeover"}                                   it serves the slot: its limits, the tokenizer's
                                                    files; takeover: "first", "died" (the slot's last
                                                    core died: its requests failed over), "restart"
-    {"t": "beat", "pid", "stats"}                  every BEAT seconds (EngineStats, as a list)
+    {"t": "beat", "pid", "stats"}                  every BEAT seconds (EngineStats, as a list); sooner
+                                                   once aborts freed sequences or the work ran out
     {"t": "out", "o": [output, ...]}               one engine step's Outputs (`output_to_wire`)
   front -> core
     {"t": "welcome", "front": pid, "hello": bool}  the first answer to a core (hello: send one)
     {"t": "add", "id", "prompt", "output", "params"}   compute a request, from its output so far
-    {"t": "abort", "id"}
+    {"t": "abort", "ids": [id, ...]}               the requests that ended in one turn of the front's
+                                                   event loop (also taken: {"t": "abort", "id"})
     {"t": "retire"}                                another core has the requests: abort all, exit
 """
 

@@ -16,6 +16,11 @@ A request that kills every core it touches (a poison pill) must not take its nei
 with it: one that was on SUSPECT_AFTER cores that died runs alone, the others held back,
 until it has made CLEAR_TOKENS more tokens or finished; a core that dies with it alone,
 its MAX_FAILOVERS-th, fails it alone (500, naming the cause).
+
+Aborts (clients that left) and dispatches wait for the event loop's next turn
+(`_kick`): the requests that end together, as a crowd of clients that hang up at once does,
+cost the core one abort message and the front one look at its waiting requests, not one
+each (500 streams dropped at once: their aborts reach the core in a few messages).
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ class CoreClient:
         self.ticks = 0  # the event loop's turns through `run`: its liveness, for the daemon
         self.cores_lost = 0
         self._tasks: list[asyncio.Task] = []
+        self._aborts: dict[bytes, list[int]] = {}  # what `_flush` sends: the ids to abort, by core
+        self._dispatching = False  # `_flush` dispatches too
+        self._kicked = False  # a `_flush` is scheduled
 
     # ---- what the HTTP side uses (AsyncEngine's interface) --------------------------------------
 
@@ -120,12 +128,35 @@ class CoreClient:
     def abort(self, seq: Sequence) -> None:
         req = self.requests.pop(seq.id, None)
         if req is not None and req.core is not None:
-            self._send(req.core, {"t": "abort", "id": seq.id})
+            self._aborts.setdefault(req.core, []).append(seq.id)
+            self._kick()
+
+    def _kick(self, dispatch: bool = False) -> None:
+        """`_flush` at the event loop's next turn (at once outside the loop)."""
+        self._dispatching = self._dispatching or dispatch
+        if self._kicked:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._flush)
+            self._kicked = True
+        except RuntimeError:
+            self._flush()
+
+    def _flush(self) -> None:
+        """The aborts of this turn, one message to each core; then the waiting requests
+        dispatched, if a request came or went."""
+        self._kicked = False
+        aborts, self._aborts = self._aborts, {}
+        for core, ids in aborts.items():
+            self._send(core, {"t": "abort", "ids": ids})
+        if self._dispatching:
+            self._dispatching = False
+            self._dispatch()
 
     async def _outputs(self, seq: Sequence) -> AsyncIterator[Output]:
         req = Request(seq, asyncio.Queue(), OutputText(self.tokenizer, seq.params))
         self.requests[seq.id] = req
-        self._dispatch()
+        self._kick(dispatch=True)
         finished = False
         try:
             while not finished:
@@ -149,7 +180,7 @@ class CoreClient:
                 if not finished or req.core is not None:  # (a stop string: the core has not ended it)
                     self.abort(seq)
                 self.requests.pop(seq.id, None)
-            self._dispatch()  # (a suspect's end lets the others go)
+            self._kick(dispatch=True)  # (a suspect's end lets the others go)
 
     # ---- the channel ----------------------------------------------------------------------------
 

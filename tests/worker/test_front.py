@@ -11,6 +11,9 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from cores import start_core
@@ -231,3 +234,68 @@ def test_a_silent_core_is_not_answering_before_its_requests_give_up(address, mon
         return seen, (client.answering, client.alive)
 
     assert asyncio.run(main()) == ((False, True), (False, False))
+
+
+QUIET_CORE = """
+import os, sys, torch
+from preload import BUNDLED_MODEL, LLM
+from preload.worker import core as core_module
+from preload.worker.core import Core, hello_of
+core_module.BEAT = 60.0  # no beat on the clock while the test runs: only those the core sends early
+llm = LLM(BUNDLED_MODEL, dtype="float32", device="cpu")
+default = torch.get_num_threads()
+core = Core(llm, sys.argv[1], hello_of(llm, "tiny", "first"), drain_timeout=5.0)
+print("serving", default, torch.get_num_threads(), len(os.sched_getaffinity(0)), flush=True)
+core.run()
+core.close()
+"""
+
+
+def test_requests_dropped_together_cost_one_abort_and_the_core_says_at_once_they_are_freed(address, cores):
+    """Clients that hang up together (issue 36: 500 dropped streams took seconds to free):
+    their aborts reach the core in one message, and the core's next beat, at once rather
+    than on the clock, says their KV blocks are free. On a CPU the core's torch threads
+    leave a CPU to its front (whose work the aborts are)."""
+    n = 64
+    seqs = [greedy([5 + i % 50, 6, 7], 2000) for i in range(n)]
+
+    async def main():
+        client, reader = await started(address)
+        proc = subprocess.Popen([sys.executable, "-c", QUIET_CORE, address], stdout=subprocess.PIPE, text=True)
+        cores.append(proc)
+        line = (await asyncio.to_thread(proc.stdout.readline)).split()
+        assert line[:1] == ["serving"], line
+        default, threads, cpus = map(int, line[1:])
+        assert threads == max(1, min(default, cpus - 1)), (default, threads, cpus)
+        await asyncio.wait_for(client.hello.wait(), 60)
+        beats = []
+        client.on_step = lambda: beats.append((time.monotonic(), client.stats()))
+        sent = []
+        send = client._send
+        client._send = lambda core, msg: (sent.append(msg), send(core, msg))
+        started_ = [asyncio.Event() for _ in range(n)]
+
+        async def stream(i):
+            async for _ in client.submit(seqs[i]):
+                started_[i].set()
+
+        tasks = [asyncio.ensure_future(stream(i)) for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started_)), 60)
+        assert not any(t.done() for t in tasks)
+        beats.clear()
+        dropped = time.monotonic()
+        for t in tasks:  # (in one turn of the loop, as a crowd of disconnects lands)
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while not beats and time.monotonic() - dropped < 5:
+            await asyncio.sleep(0.005)
+        reader.cancel()
+        client.close()
+        return [m for m in sent if m["t"] == "abort"], beats, dropped
+
+    aborts, beats, dropped = asyncio.run(main())
+    assert len(aborts) == 1 and sorted(aborts[0]["ids"]) == sorted(seq.id for seq in seqs), aborts[:3]
+    assert beats, "no beat after the aborts (the core's next one on the clock is a minute away)"
+    heard, stats = beats[0]
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0, stats
+    assert heard - dropped < 2.0  # (~0.01-0.05 s: the step under way, then the beat)
