@@ -12,6 +12,7 @@ Python value, how to show and parse it (sizes like 512MiB, "auto" for None).
 from __future__ import annotations
 
 import functools
+import os
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -137,6 +138,11 @@ class WorkerOptions:
     allowed_methods: tuple[str, ...] = option((), "CORS: methods allowed (repeatable) [default: *, with --allowed-origins].")
     allowed_headers: tuple[str, ...] = option((), "CORS: headers allowed (repeatable) [default: *, with --allowed-origins].")
     allow_credentials: bool = option(False, "CORS: let browsers send credentials.")
+
+    @property
+    def key(self) -> str | None:
+        """The API key in force: --api-key, else $PRELOAD_API_KEY or $VLLM_API_KEY."""
+        return self.api_key or os.environ.get("PRELOAD_API_KEY") or os.environ.get("VLLM_API_KEY")
     chat_template: Path | None = option(None, "A jinja chat template file to render chats with instead of the checkpoint's.")
     enable_auto_tool_choice: bool = option(
         False, "Serve tool_choice \"auto\": the model's tool calls found in its text by --tool-call-parser.")

@@ -1,4 +1,5 @@
-"""`preload status`, `preload stop`, `preload restart`: the running daemon, from a shell."""
+"""`preload status`, `preload stop`, `preload restart`, `preload sleep`, `preload wake`: the
+running daemon, from a shell."""
 
 from __future__ import annotations
 
@@ -177,31 +178,65 @@ def stop(state_dir, timeout):
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for every worker to be replaced.")
 def restart(state_dir, now, timeout):
     """Replace the daemon's workers: one at a time, each replacement ready before the old one drains."""
+    t0 = time.monotonic()
+
+    def replaced(before: dict, s: dict) -> bool:
+        old = {w["slot"]: w["pid"] for w in before["workers"]}
+        return all(w["pid"] not in (None, old.get(w["slot"])) and w["state"] == "ready" for w in s["workers"])
+
+    reply, s = _ask_and_wait(state_dir, {"op": "restart", "now": now}, timeout, replaced, "every worker replaced")
+    if reply.get("checkpoint_changed"):
+        click.echo(f"preload: the checkpoint changed on disk since the daemon loaded it ({', '.join(reply['checkpoint_changed'])});"
+                   " the workers restart on the weights it holds; `preload stop` and `preload start` load the"
+                   " files as they are now", err=True)
+    pids = ", ".join(str(w["pid"]) for w in s["workers"])
+    click.echo(f"{len(s['workers'])} workers replaced in {time.monotonic() - t0:.2f} s (pids {pids})")
+
+
+@click.command()
+@state_dir_option
+@click.option("--level", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="1: the weights stay (in host memory); 2: the weights go too, read again at wake.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the sleep.")
+def sleep(state_dir, level, timeout):
+    """Free the device: every engine core stops (the fronts hold the clients; /health says sleeping)."""
+    t0 = time.monotonic()
+    _, s = _ask_and_wait(state_dir, {"op": "sleep", "level": level}, timeout,
+                         lambda _, s: (s.get("sleep") or {}).get("asleep"), "asleep")
+    held = s["sleep"]["host_bytes"] / 2**30
+    click.echo(f"asleep (level {level}) in {time.monotonic() - t0:.2f} s; {held:.2f} GiB of weights held in host memory")
+
+
+@click.command()
+@state_dir_option
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for every worker.")
+def wake(state_dir, timeout):
+    """Serve again after `preload sleep`: the weights back (level 2: read again), a core in every slot."""
+    t0 = time.monotonic()
+    _ask_and_wait(state_dir, {"op": "wake"}, timeout, lambda _, s: s["state"] == "ready", "ready")
+    click.echo(f"awake in {time.monotonic() - t0:.2f} s")
+
+
+def _ask_and_wait(state_dir, request: dict, timeout: float, done, what: str) -> tuple[dict, dict]:
+    """Send `request`, then poll the status until `done(status before, status now)`: the
+    reply and the last status; exit 1 with the daemon's error, or after `timeout`."""
     from preload.ipc.client import DaemonClient, DaemonError, DaemonUnavailable
 
     state_dir = state_dir_path(state_dir)
-    t0 = time.monotonic()
+    deadline = time.monotonic() + timeout
     try:
         with DaemonClient(state_dir, timeout=5) as client:
-            before = {w["slot"]: w["pid"] for w in client.request("status")["status"]["workers"]}
-            changed = client.request("restart", now=now).get("checkpoint_changed")
-            if changed:
-                click.echo(f"preload: the checkpoint changed on disk since the daemon loaded it ({', '.join(changed)});"
-                           " the workers restart on the weights it holds; `preload stop` and `preload start` load the"
-                           " files as they are now", err=True)
-            while True:
-                workers = client.request("status")["status"]["workers"]
-                if all(w["pid"] not in (None, before.get(w["slot"])) and w["state"] == "ready" for w in workers):
-                    break
-                if time.monotonic() - t0 > timeout:
-                    click.echo(f"preload: workers not all replaced within {timeout:.0f} s", err=True)
+            before = client.request("status")["status"]
+            reply = client.request(**request)
+            while not done(before, s := client.request("status")["status"]):
+                if time.monotonic() > deadline:
+                    click.echo(f"preload: not {what} within {timeout:.0f} s (state: {s['state']})", err=True)
                     sys.exit(1)
                 time.sleep(0.02)
     except (DaemonUnavailable, DaemonError) as e:
         click.echo(f"preload: {e}", err=True)
         sys.exit(1)
-    pids = ", ".join(str(w["pid"]) for w in workers)
-    click.echo(f"{len(workers)} workers replaced in {time.monotonic() - t0:.2f} s (pids {pids})")
+    return reply, s
 
 
 def _alive(pid: int) -> bool:

@@ -19,9 +19,11 @@ COMMANDS = {
     "make-checkpoint": ("preload.cli.make_checkpoint", "make_checkpoint", "Write a random checkpoint with real models' shapes."),
     "restart": ("preload.cli.daemon", "restart", "Replace the daemon's workers (rolling, or --now)."),
     "serve": ("preload.cli.serve", "serve", "Serve the OpenAI-compatible API from the daemon's weights."),
+    "sleep": ("preload.cli.daemon", "sleep", "Free the device: the workers' engines stop until `preload wake`."),
     "start": ("preload.cli.start", "start", "Start the daemon: load a checkpoint once, keep it resident."),
     "status": ("preload.cli.daemon", "status", "Show what the daemon holds and who is attached."),
     "stop": ("preload.cli.daemon", "stop", "Stop the daemon."),
+    "wake": ("preload.cli.daemon", "wake", "Serve again after `preload sleep`."),
 }
 
 

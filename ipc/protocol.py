@@ -22,7 +22,7 @@ import msgpack
 # 2: the manifest's tensors travel as columns (ipc.layout.Layout).
 # 3: the manifest is typed (ipc.manifest); workers report to the daemon on their own link, not here.
 PROTOCOL_VERSION = 3
-OPS = ("hello", "manifest", "status", "release", "shutdown", "restart")
+OPS = ("hello", "manifest", "status", "release", "shutdown", "restart", "sleep", "wake")
 MAX_MESSAGE = 64 << 20  # a manifest of a very large model stays far below this
 
 

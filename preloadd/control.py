@@ -43,7 +43,7 @@ log = logging.getLogger("preload.daemon")
 
 Handler = Callable[[dict, int], dict]  # (request, peer pid) -> reply fields
 
-OWNER_OPS = ("restart", "shutdown")  # what only the daemon's own uid may ask
+OWNER_OPS = ("restart", "shutdown", "sleep", "wake")  # what only the daemon's own uid may ask
 MAX_REQUEST = 64 << 10  # bytes of one request at most
 PER_PROCESS = 16  # connections one process may hold at once
 MAX_CONNECTIONS = 256  # connections of all peers at once
@@ -244,7 +244,11 @@ class ControlServer:
             self._fail(conn, "bad", f"bad fd request: {e}")
             self._answer(conn, {"ok": False, "error": str(e)}, close=True)
             return
-        handle, fds = self.fds()
+        try:
+            handle, fds = self.fds()
+        except ProtocolError as e:  # (no weights held now: asleep)
+            self._answer(conn, {"ok": False, "error": str(e)}, close=True)
+            return
         data = frame({"ok": True, "arena": handle})
         try:  # the fds ride on the first bytes, which a fresh connection's buffer takes at once
             sent = socket.send_fds(conn.sock, [data], fds)

@@ -33,6 +33,7 @@ from preload.preloadd.copy_loader import CopyPlan, copy_plan, load_copied
 from preload.preloadd.health import DaemonMetrics, HttpServer, make_app, prepare_metrics_dir
 from preload.preloadd.keeper import KeeperLink, Kept
 from preload.preloadd.orphans import Adoption, OrphanListener, orphan_slots
+from preload.preloadd.sleeping import Sleeper
 from preload.preloadd.state_dir import (
     DAEMON_FILE,
     KERNEL_CACHE_ENV,
@@ -107,6 +108,8 @@ class Daemon:
         self.readopted = False  # the weights were taken back from a keeper, not loaded
         self._keeper_stale = False  # the keeper we took over holds an API socket we do not serve
         self.errors = 0
+        self.api: socket.socket | None = None  # the API's listening socket, if workers serve one
+        self.sleeper = Sleeper(self)
 
     # ---- requests (from the control thread) ------------------------------------------------
 
@@ -118,16 +121,21 @@ class Daemon:
             with self._clients_lock:
                 self.clients[pid] = time.time()
             self.metrics.attaches.inc()
-            return {"fingerprint": self.loaded.manifest.fingerprint, "pid": os.getpid()}
+            return {"fingerprint": self.weights().manifest.fingerprint, "pid": os.getpid()}
         if op == "manifest":
+            self.weights()  # (none while asleep at level 2: said so)
             return {"manifest": self.manifest_wire}
         if op == "release":
             with self._clients_lock:
                 self.clients.pop(pid, None)
             return {}
+        if op in ("sleep", "wake"):
+            return self.sleeper.ask(op, msg.get("level"))
         if op == "restart":
             if self.supervisor is None:
                 return {"ok": False, "error": "this daemon runs no workers (start it with --workers N)"}
+            if self.state != "ready":
+                return {"ok": False, "error": f"the daemon is {self.state}: nothing to restart (`preload wake` first)"}
             self.supervisor.restart(now=bool(msg.get("now")))
             return {"checkpoint_changed": self._changed_on_disk()}
         if op == "shutdown":
@@ -154,7 +162,32 @@ class Daemon:
         return free - kv_cache_bytes >= (1 - self.opts.worker.engine.gpu_memory_utilization) * total
 
     def arena_fds(self) -> tuple[dict, list[int]]:
-        return self.loaded.arena.info().to_wire(), self.loaded.arena.fds()
+        loaded = self.weights()
+        return loaded.arena.info().to_wire(), loaded.arena.fds()
+
+    def weights(self) -> Loaded:
+        """The weights held, for a client to attach; ProtocolError (its reply) while none are."""
+        if self.loaded is None:
+            raise ProtocolError(f"the daemon holds no weights now ({self.state}): they come back with `preload wake`")
+        return self.loaded
+
+    def let_weights_go(self) -> None:
+        """Sleep level 2: the keeper's hold and the arena go (no core maps it now): the memory is freed."""
+        if self.keeper is not None:
+            self.keeper.release()
+            self.keeper = None
+        self.loaded.arena.close()
+        self.loaded = None
+        log.info("weights let go")
+
+    def load_again(self) -> None:
+        """A wake from sleep level 2: the weights loaded as at a start, the keeper given them."""
+        self.progress = Progress()
+        self._load(lambda msg: None, None, copy_plan(self.r.model, self.opts.quant, self.r.dtype, self.r.transport,
+                                                     self.r.device))
+        self._keep(self.api)
+        if self.keeper:
+            self.keeper.wait_kept()
 
     def attached(self) -> list[int]:
         with self._clients_lock:
@@ -186,6 +219,7 @@ class Daemon:
             "load_seconds": self.progress.seconds,
             "progress": self.progress.as_dict(),
             "errors": self.errors,
+            "sleep": self.sleeper.status(),
             "workers": sup.get("workers", []),
             "spares": sup.get("spares", []),
             "zygote_restarts": sup.get("zygote_restarts", 0),
@@ -208,12 +242,14 @@ class Daemon:
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
             kept = self._take_kept()  # what a keeper of a dead daemon of this state dir holds
-            http = HttpServer(make_app(self.status, self.metrics), self._listen("health", o.health_host, o.health_port))
+            http = HttpServer(make_app(self.status, self.metrics, self.sleeper.ask if o.workers else None,
+                                       o.worker.key), self._listen("health", o.health_host, o.health_port))
             # The API socket is bound now (or was kept open all along), so that clients queue in its backlog
             # from the start.
             api = self._kept_api(kept)
             if o.workers and api is None:
                 api = self._listen("API", o.host, o.port)
+            self.api = api
             # The ports as bound (--port 0 picks them), for status, the start line and `preload status`
             # while the control socket is not up yet (during the load).
             self.ports = {"health": http.sock.getsockname()[1], "api": api.getsockname()[1] if api else None}
@@ -248,10 +284,7 @@ class Daemon:
             if self.keeper is not None and self._keeper_stale:
                 self.keeper.release()  # it holds an API socket we no longer serve; ours hold the weights
                 self.keeper = None
-            if self._keeps():
-                self.keeper = self.keeper or KeeperLink.spawn(o.state_dir)
-                if self.keeper.empty:
-                    self.keeper.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
+            self._keep(api)
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if self.supervisor:
                 self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.loaded.manifest.fingerprint,
@@ -274,8 +307,11 @@ class Daemon:
                     "workers": o.workers, "port": self.ports["api"], "health_port": self.ports["health"]})
             systemd.notify(READY="1", MAINPID=str(os.getpid()),
                            STATUS=f"ready: {o.workers} worker{'s' if o.workers != 1 else ''} on port {self.ports['api']}, fingerprint {fp}")
-            while not self.stop_requested.wait(0.5):
+            while not self.stop_requested.is_set():
+                self.sleeper.poke.wait(0.5)
+                self.sleeper.poke.clear()
                 self._watch_keeper(api)
+                self.sleeper.turn()
             self.state = "stopping"
             log.info("stopping")
             systemd.notify(STOPPING="1", STATUS="stopping")
@@ -296,6 +332,13 @@ class Daemon:
             if gpu_lock:
                 gpu_lock.release()
             lock.release()
+
+    def _keep(self, api) -> None:
+        """Our keeper (spawned if need be) holds the weights and the API socket from now on."""
+        if self._keeps():
+            self.keeper = self.keeper or KeeperLink.spawn(self.opts.state_dir)
+            if self.keeper.empty:
+                self.keeper.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
 
     def _watch_keeper(self, api) -> None:
         """A keeper that died (killed, crashed) is replaced at once: a new one is given the
@@ -420,6 +463,7 @@ class Daemon:
         def stop(signum, _frame):
             log.info("received %s", signal.Signals(signum).name)
             self.stop_requested.set()
+            self.sleeper.poke.set()
             if self.state in ("starting", "loading"):  # (loading lasts until every worker is ready)
                 self.progress.cancelled.set()  # the loader's threads end at their next chunk
                 raise KeyboardInterrupt  # abandon the start; run()'s cleanup still happens

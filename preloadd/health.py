@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +84,13 @@ def prepare_metrics_dir(directory: Path) -> None:
             f.unlink()
 
 
-def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> Starlette:
+def make_app(status: Callable[[], dict], metrics: DaemonMetrics, sleep: Callable[[str, int | None], dict] | None = None,
+             api_key: str | None = None) -> Starlette:
+    """/health, /status, /metrics; and, as vLLM names them, GET /is_sleeping and (operator
+    only: the request must carry `api_key`, and without one the routes are refused, since
+    anyone on the host reaches this port) POST /sleep?level=N and POST /wake_up, which
+    `sleep(op, level)` queues and which answer once the daemon is asleep, or ready."""
+
     def health(_: Request) -> JSONResponse:
         s = status()
         ready = s["state"] == "ready"
@@ -96,7 +103,47 @@ def make_app(status: Callable[[], dict], metrics: DaemonMetrics) -> Starlette:
     def metrics_route(_: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return Starlette(routes=[Route("/health", health), Route("/status", status_route), Route("/metrics", metrics_route)])
+    def is_sleeping(_: Request) -> JSONResponse:
+        return JSONResponse({"is_sleeping": status()["state"] == "sleeping"})
+
+    def operator(request: Request) -> JSONResponse | None:
+        """A refusal, unless the request comes from the operator."""
+        if sleep is None:
+            return JSONResponse({"error": "this daemon runs no workers: nothing sleeps"}, status_code=404)
+        if not api_key:
+            return JSONResponse({"error": "operator only: use `preload sleep` / `preload wake` on the daemon's host,"
+                                          " or start the daemon with --api-key and send it"}, status_code=403)
+        if request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": "operator only: a valid API key is needed"}, status_code=401)
+        return None
+
+    def sleep_route(request: Request) -> JSONResponse:
+        try:
+            level = int(request.query_params.get("level", "1"))
+        except ValueError:
+            return JSONResponse({"error": "level: 1 or 2"}, status_code=400)
+        return refused if (refused := operator(request)) else until(sleep("sleep", level),
+                                                                    lambda s: (s.get("sleep") or {}).get("asleep"))
+
+    def wake_route(request: Request) -> JSONResponse:
+        return refused if (refused := operator(request)) else until(sleep("wake", None), lambda s: s["state"] == "ready")
+
+    def until(reply: dict, done: Callable[[dict], bool]) -> JSONResponse:
+        if reply.get("ok") is False:
+            return JSONResponse({"error": reply["error"]}, status_code=400)
+        deadline = time.monotonic() + OPERATOR_WAIT
+        while not done(s := status()):
+            if time.monotonic() > deadline:
+                return JSONResponse({"error": f"not done within {OPERATOR_WAIT:.0f} s ({s['state']})"}, status_code=504)
+            time.sleep(0.02)
+        return JSONResponse({})
+
+    return Starlette(routes=[Route("/health", health), Route("/status", status_route), Route("/metrics", metrics_route),
+                             Route("/is_sleeping", is_sleeping), Route("/sleep", sleep_route, methods=["POST"]),
+                             Route("/wake_up", wake_route, methods=["POST"])])
+
+
+OPERATOR_WAIT = 300.0  # seconds POST /sleep and /wake_up wait for the daemon to be asleep, or ready
 
 
 class HttpServer:

@@ -1,5 +1,6 @@
 """A rolling restart (`preload restart` without --now) as a state machine that the
-supervisor's loop advances once a turn: every slot in order, one at a time.
+supervisor's loop advances once a turn: every slot in order, one at a time. (And
+`restart --now`, `restart_now`: every core at once.)
 
 For each slot: a replacement core is forked and warms up while the old one serves. Then,
 when the device has room for both KV caches, the replacement takes the slot first (go,
@@ -117,3 +118,23 @@ class RollingRestart:
                 old.retiring = True
         info.replacement["via"], info.successor = "fork", fresh
         log.info("worker %d: pid %d takes over from pid %d", fresh.slot, fresh.pid, old.pid)
+
+
+def restart_now(sup: Supervisor) -> None:
+    """`restart --now`: every core killed at once (the fronts stay: they hand the requests to
+    the new cores), every spare retired; the refill forks new ones."""
+    if sup.rolling is not None:
+        sup.rolling.cancel(sup)
+        sup.rolling = None
+    sup._restart_queued = False
+    for w in list(sup.workers.values()):
+        if w.role == "front":
+            continue  # (the fronts stay: they hand the requests to the new cores)
+        if w.slot is None and not w.retiring:
+            sup.retire_spare(w)
+        elif w.slot is not None and w.holds(w.slot):
+            w.retiring = True
+            info = sup.slots[w.slot]
+            info.restarts += 1
+            w.kill("restart --now")
+            info.replaced("restart --now", w)

@@ -38,7 +38,8 @@ from preload.options import DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
-from preload.preloadd.rolling import RollingRestart
+from preload.preloadd.rolling import RollingRestart, restart_now
+from preload.preloadd.sleeping import cores_left, fall_asleep, sleep_message, tell, wake
 from preload.preloadd.workers import (OwnStalls, Slot, Worker, become_subreaper, close_fds, describe_exit, reap,
                                       reap_orphans, unregister)
 
@@ -68,6 +69,7 @@ class Supervisor:
         self.rolling: RollingRestart | None = None
         self.adoption: Adoption | None = None
         self._restart_queued = False
+        self.asleep: int | None = None  # the sleep's level (preloadd/sleeping.py): no core runs
         self._stopping: float | None = None  # the stop's deadline
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -122,6 +124,10 @@ class Supervisor:
 
     def restart(self, now: bool) -> None:
         self._request(("restart", now))
+
+    def sleep(self, level: int | None) -> None:
+        """Let every core go (level: 1 or 2), or (None) fill the slots again."""
+        self._request(("sleep", level) if level else ("wake", None))
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every worker, wait up to `timeout` for them to drain, SIGKILL the rest."""
@@ -194,9 +200,13 @@ class Supervisor:
     def _handle(self, op: str, arg) -> None:
         if op == "stop":
             self._begin_stop(arg)
-        elif op == "restart" and self._stopping is None:
+        elif op == "sleep" and self._stopping is None:
+            fall_asleep(self, arg)
+        elif op == "wake" and self._stopping is None:
+            wake(self)
+        elif op == "restart" and self._stopping is None and self.asleep is None:
             if arg:
-                self._restart_now()
+                restart_now(self)
             elif self.rolling is None:
                 self.rolling = RollingRestart(self)
             else:
@@ -226,6 +236,8 @@ class Supervisor:
         """Watch a worker process: its exit (pidfd) and what it says (link)."""
         worker.link.setblocking(False)
         self.workers[worker.pid] = worker
+        if worker.role == "front":  # (one adopted from a daemon that died asleep is told it is not)
+            tell(worker, sleep_message(self.asleep))
         self._sel.register(worker.pidfd, selectors.EVENT_READ, lambda: self._reap(worker))
         self._sel.register(worker.link, selectors.EVENT_READ, lambda: self._hear(worker))
         return worker
@@ -402,6 +414,8 @@ class Supervisor:
                 if self.adoption is not None and self.adoption.waiting_for(slot, "front"):
                     continue  # its orphan lives and will call
                 self.spawn(slot, "front")
+        if self.asleep is not None:
+            return  # (no core, no spare: preloadd/sleeping.py)
         for slot, info in enumerate(self.slots):
             if self.holder(slot) is None and now >= info.next_start:
                 if self.adoption is not None and self.adoption.waiting_for(slot):
@@ -433,23 +447,6 @@ class Supervisor:
             info.replaced("start", None)
         info.replacement["via"], info.successor = via, worker
         self.go(worker)
-
-    def _restart_now(self) -> None:
-        if self.rolling is not None:
-            self.rolling.cancel(self)
-            self.rolling = None
-        self._restart_queued = False
-        for w in list(self.workers.values()):
-            if w.role == "front":
-                continue  # (the fronts stay: they hand the requests to the new cores)
-            if w.slot is None and not w.retiring:
-                self.retire_spare(w)
-            elif w.slot is not None and w.holds(w.slot):
-                w.retiring = True
-                info = self.slots[w.slot]
-                info.restarts += 1
-                w.kill("restart --now")
-                info.replaced("restart --now", w)
 
     # ---- stopping -----------------------------------------------------------------------------
 
@@ -495,5 +492,5 @@ class Supervisor:
         with self._published:
             z = self.zygotes
             self._snapshot = {"workers": workers, "spares": spares, "zygote_restarts": z.restarts if z else 0,
-                              "zygote_error": z.error if z else None}
+                              "zygote_error": z.error if z else None, "cores_left": cores_left(self)}
             self._published.notify_all()

@@ -12,6 +12,11 @@ is retired, nothing counts). Only a hello moves requests (the supervisor, which 
 cores, is the one that knows a core died): a core silent for CORE_SILENCE makes /health
 say so, and requests that waited CORE_WAIT for a core that never came fail (503).
 
+`preload sleep` kills the slot's cores and tells the front (`sleep`, from the daemon's
+link): its requests are held as while a core is replaced, nothing counts as a failover,
+and /health says "sleeping". The wake's core says hello as a rolling restart's does and
+takes them up where they were; one that waited SLEEP_WAIT asleep fails (503, naming sleep).
+
 A request that kills every core it touches (a poison pill) must not take its neighbours
 with it: one that was on SUSPECT_AFTER cores that died runs alone, the others held back,
 until it has made CLEAR_TOKENS more tokens or finished; a core that dies with it alone,
@@ -31,7 +36,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import zmq
@@ -50,6 +55,7 @@ log = logging.getLogger("preload.worker")
 
 CORE_SILENCE = 5.0  # seconds without a beat: /health says the engine is not answering
 CORE_WAIT = 60.0  # seconds requests wait for a silent core, or its successor, before they fail
+SLEEP_WAIT = 60.0  # seconds a request waits while the slot sleeps (for `preload wake`) before it fails
 MAX_FAILOVERS = 3
 SUSPECT_AFTER = 2
 CLEAR_TOKENS = 16
@@ -65,6 +71,7 @@ class Request:
     failovers: int = 0  # cores that died while computing it
     cleared: int = 0  # tokens it made since it last ran alone (a suspect is cleared at CLEAR_TOKENS)
     scored: bool = False  # its prompt log-probs were delivered (not asked for again)
+    waits: float = field(default_factory=time.monotonic)  # since when it waits, if the slot sleeps
 
     @property
     def suspect(self) -> bool:
@@ -94,6 +101,7 @@ class CoreClient:
         self.on_step: Callable[[], None] = lambda: None  # after each beat (metrics)
         self.ticks = 0  # the event loop's turns through `run`: its liveness, for the daemon
         self.cores_lost = 0
+        self.asleep = False  # `preload sleep`: the slot's cores are gone until the wake
         self._tasks: list[asyncio.Task] = []
         self._aborts: dict[bytes, list[int]] = {}  # what `_flush` sends: the ids to abort, by core
         self._dispatching = False  # `_flush` dispatches too
@@ -104,8 +112,10 @@ class CoreClient:
     @property
     def alive(self) -> bool:
         """Whether requests are taken: a core has said hello and not been silent for
-        CORE_WAIT (dead and not replaced; a replacement's hello takes its requests)."""
-        return self.core is not None and time.monotonic() - self.heard < CORE_WAIT
+        CORE_WAIT (dead and not replaced; a replacement's hello takes its requests), or the
+        slot sleeps (its requests wait for the wake, up to SLEEP_WAIT each); once woken, its
+        core has CORE_WAIT to come."""
+        return self.asleep or self.hello.is_set() and time.monotonic() - self.heard < CORE_WAIT
 
     @property
     def answering(self) -> bool:
@@ -213,7 +223,26 @@ class CoreClient:
         except zmq.ZMQError:
             pass  # that core is gone: the beats will say so (or have said)
 
+    def sleep(self, sleeping: bool, level: int | None = None) -> None:
+        """The daemon put the slot to sleep (its cores killed) or woke it (its next core's
+        hello follows). Asleep, every request waits, none counting a failover."""
+        now = time.monotonic()
+        if sleeping and not self.asleep:
+            log.info("the slot sleeps (level %s): %d requests wait for the wake", level, len(self.requests))
+            if self.core is not None:
+                self._move_off(self.core, died=False)
+            self.core = None
+            self._stats = replace(self._stats, waiting=0, running=0, kv_blocks_used=0)  # (nothing runs: /metrics)
+            for req in self.requests.values():
+                req.waits = now
+        elif not sleeping and self.asleep:
+            log.info("the slot wakes: %d requests wait for its core", len(self.requests))
+            self.heard = now  # (the wake's core has CORE_WAIT to say hello)
+        self.asleep = sleeping
+
     def _on_hello(self, core: bytes, msg: dict) -> None:
+        if self.asleep:
+            return  # a core the sleep killed, late (the wake's cores come after the daemon's word)
         files = msg.pop("files", None) or {}
         if self.tokenizer is None or files:
             self.tokenizer = Tokenizer(files["tokenizer.json"], json.loads(files.get("tokenizer_config.json") or "{}"))
@@ -233,6 +262,8 @@ class CoreClient:
             self.heard = time.monotonic()
             self._stats = stats_from_wire(msg["stats"])
             self.on_step()
+        elif self.asleep:
+            pass  # a core the sleep kills: no hello from it
         elif self.core is None:  # a core from before this front (which restarted): its hello, please
             self._send(core, {"t": "welcome", "front": os.getpid(), "hello": True})
         else:
@@ -259,9 +290,14 @@ class CoreClient:
         while True:
             await asyncio.sleep(WATCH)
             self.ticks += 1
-            if self.core is not None and not self.alive:
-                log.error("core %s silent for %.0f s and not replaced: its requests fail", self.core.decode(),
-                          time.monotonic() - self.heard)
+            now = time.monotonic()
+            if self.asleep:
+                for req in [r for r in self.requests.values() if now - r.waits >= SLEEP_WAIT]:
+                    self.requests.pop(req.seq.id, None)
+                    req.reader.put_nowait(EngineDead(f"the model is asleep (preload sleep) and was not woken within"
+                                                     f" {SLEEP_WAIT:.0f} s; `preload wake` brings it back"))
+            elif self.requests and self.hello.is_set() and not self.alive:
+                log.error("no core has answered for %.0f s: its requests fail", now - self.heard)
                 for req in list(self.requests.values()):
                     self.requests.pop(req.seq.id, None)
                     req.reader.put_nowait(EngineDead(f"the engine stopped answering {CORE_WAIT:.0f} s ago"))

@@ -7,6 +7,10 @@ Messages are JSON, one per packet:
                                                               "restart" (its front hands the requests over)
                     {"slot": k, ..., "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
                                                               ... in the KV memory the slot's last worker left
+                    {"sleeping": true, "level": n}            to a front (`listen`): `preload sleep` killed its
+                                                              slot's cores (level 1 or 2); its requests wait
+                    {"sleeping": false}                       to a front: `preload wake`; the slot's new cores
+                                                              follow, each saying hello as a restart's does
   worker -> daemon  {"event": "warm"}                         attached and warmed up, waiting for a slot
                     {"event": "ready", "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
                                                               accepting on the shared socket; the fd of its KV
@@ -53,11 +57,14 @@ class KvOffer(NamedTuple):
 
 class DaemonLink:
     """`rejoin`: the state dir's socket to try once the daemon is gone, and `on_retire`
-    what to do when a new daemon says no (drain and exit)."""
+    what to do when a new daemon says no (drain and exit). `on_sleep(sleeping, level)`: a
+    front's, called from `listen`'s thread when the daemon puts its slot to sleep or wakes it."""
 
     def __init__(self, fd: int, on_slot: Callable[[int], None] = lambda slot: None, state_dir: Path | None = None,
-                 on_retire: Callable[[str], None] = lambda why: None):
+                 on_retire: Callable[[str], None] = lambda why: None,
+                 on_sleep: Callable[[bool, int | None], None] = lambda sleeping, level: None):
         self.sock, self.on_slot, self.on_retire = socket.socket(fileno=fd), on_slot, on_retire
+        self.on_sleep = on_sleep
         self.rejoin_path = workers_socket_path(state_dir) if state_dir is not None else None
         self.slot: int | None = None
         self.takeover = "first"  # why this worker got its slot (a core tells its front: worker/front.py)
@@ -110,6 +117,32 @@ class DaemonLink:
                     self._stop.wait(REJOIN_INTERVAL)
 
         threading.Thread(target=run, name="heartbeat", daemon=True).start()
+
+    def listen(self) -> None:
+        """Read what the daemon tells a serving front, from a background thread, until
+        `close`: on our link, and on a new daemon's once it adopted us."""
+
+        def run() -> None:
+            while not self._stop.is_set():
+                sock = self.sock
+                try:
+                    data = sock.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:  # the daemon is gone: the beats look for a new one
+                    while sock is self.sock and not self._stop.wait(REJOIN_INTERVAL):
+                        pass
+                    continue
+                try:
+                    msg = json.loads(data)
+                    if "sleeping" not in msg:
+                        raise KeyError("sleeping")
+                    sleeping = bool(msg["sleeping"])
+                    self.on_sleep(sleeping, int(msg.get("level") or 1) if sleeping else None)
+                except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+                    log.warning("a message from the daemon not handled (%r: %s): dropped", data[:200], e)
+
+        threading.Thread(target=run, name="daemon-link", daemon=True).start()
 
     def _rejoin(self) -> bool:
         """One try to be taken over by a new daemon: True once settled (adopted, or told to

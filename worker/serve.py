@@ -10,7 +10,8 @@ requests' state; no CUDA) and its engine core (`serve_core`: the model, the sche
 the KV cache), talking over the slot's channel (core_channel.py). A core warms up, says
 so, waits for its slot, then allocates its KV cache and serves its front; when it dies,
 the front hands its requests to the slot's next core, and no client notices more than a
-pause (front.py). Each talks to the daemon over its own link (worker/link.py).
+pause (front.py). Each talks to the daemon over its own link (worker/link.py); a front
+also hears there that the slot sleeps (`preload sleep`: its cores killed) or wakes.
 """
 
 from __future__ import annotations
@@ -212,6 +213,10 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
     link.beat(client.progress)
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # `preload sleep` and `wake` come on the link's thread; the client lives on this loop.
+        link.on_sleep = lambda sleeping, level: loop.call_soon_threadsafe(client.sleep, sleeping, level)
+        link.listen()
         reading = asyncio.ensure_future(client.run())
         try:
             await client.hello.wait()

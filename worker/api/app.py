@@ -5,7 +5,6 @@ once the connection has served a few seconds (keep-alive clients then spread ove
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import time
@@ -113,9 +112,8 @@ def create_app(
         app.include_router(module.router)
 
     app.add_middleware(Accounting, metrics=metrics, state=state)
-    api_key = w.api_key or os.environ.get("PRELOAD_API_KEY") or os.environ.get("VLLM_API_KEY")
-    if api_key:
-        app.add_middleware(RequireKey, key=api_key)
+    if w.key:
+        app.add_middleware(RequireKey, key=w.key)
     if w.allowed_origins:  # (outermost: a preflight is answered before the key is asked for, as browsers need)
         app.add_middleware(CORSMiddleware, allow_origins=list(w.allowed_origins),
                            allow_methods=list(w.allowed_methods or ("*",)), allow_headers=list(w.allowed_headers or ("*",)),

@@ -23,6 +23,8 @@ async def health(request: Request):
     phase = s.state.phase if s.engine.alive else "engine failed"
     if s.engine.alive and not s.engine.answering:
         phase = "engine not answering"  # (a front whose core is silent: its successor is expected)
+    if getattr(s.engine, "asleep", False) and s.state.serving:
+        phase = "sleeping"  # (a front whose slot `preload sleep` put to sleep: its cores come at the wake)
     return JSONResponse({"status": phase}, status_code=200 if ok else 503)
 
 

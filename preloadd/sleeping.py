@@ -1,0 +1,162 @@
+"""Sleep and wake (`preload sleep`, `preload wake`; the daemon's POST /sleep, POST
+/wake_up, GET /is_sleeping, as vLLM names them): the supervisor's part, then the daemon's.
+
+Asleep, a daemon runs no engine core: every slot's core and every spare is killed, the
+slots' KV memory let go, and no slot or spare is filled again, so that the device (or, on
+a CPU, the host's memory) holds the weights alone (level 1), or nothing of ours (level 2:
+the daemon lets the weights go too, preloadd/daemon.py). The fronts stay: they hold the
+clients and their requests, told on their links that their slot sleeps (worker/front.py:
+/health says so, requests wait), and hand the requests to the first core after the wake,
+which the refill forks as at a start. A core killed for sleep is replaced as a restart's
+is (its takeover "restart"): nothing counts as a failure, nothing as a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from preload.preloadd.workers import Worker
+
+if TYPE_CHECKING:  # the supervisor drives this; only its type is needed here
+    from preload.preloadd.supervisor import Supervisor
+
+log = logging.getLogger("preload.daemon")
+
+
+def fall_asleep(sup: Supervisor, level: int) -> None:
+    if sup.rolling is not None:  # (a restart has nothing left to replace)
+        sup.rolling.cancel(sup)
+        sup.rolling = None
+    sup._restart_queued = False
+    sup.asleep = level
+    for w in list(sup.workers.values()):
+        if w.role == "front":
+            tell(w, sleep_message(level))
+        elif w.slot is None:
+            if not w.retiring:
+                sup.retire_spare(w)
+        else:  # (a slot's core, or an old one still draining from a restart: each holds memory)
+            if w.holds(w.slot):
+                sup.slots[w.slot].replaced("sleep", w)
+            w.retiring = True
+            w.kill("sleep")
+    for info in sup.slots:
+        info.drop_kv()
+    log.info("asleep (level %d): every engine core and spare let go", level)
+
+
+def wake(sup: Supervisor) -> None:
+    """Fill every slot again (the refill, from the next turn on), and tell the fronts."""
+    sup.asleep = None
+    for w in sup.workers.values():
+        if w.role == "front":
+            tell(w, sleep_message(None))
+    log.info("waking: every slot gets a new engine core")
+
+
+def cores_left(sup: Supervisor) -> int:
+    """Engine cores and spares not reaped yet (asleep: 0 once every one has gone)."""
+    return sum(w.role != "front" for w in sup.workers.values())
+
+
+def sleep_message(level: int | None) -> dict:
+    """What a front is told on its link (worker/link.py): asleep at `level`, or awake."""
+    return {"sleeping": True, "level": level} if level else {"sleeping": False}
+
+
+def tell(front: Worker, msg: dict) -> None:
+    try:
+        front.link.send(json.dumps(msg).encode())
+    except OSError:
+        pass  # it died meanwhile: its successor is told as it starts (Supervisor.adopt)
+
+
+# ---- the daemon's part: its state and its weights -------------------------------------------
+
+LEVELS = (1, 2)
+CORES_GONE_TIMEOUT = 30.0  # seconds for every core killed at sleep to be reaped
+
+
+class Sleeper:
+    """The daemon's sleep and wake, run by its main thread between its other chores
+    (Daemon.run's loop: `turn`); asked from the control thread or the health port (`ask`).
+
+    ready -> sleeping: the state says so at once (/health 503); the supervisor lets every
+    core go; once every one is reaped, level 2 lets the weights go too (the keeper's hold
+    and the arena: the memory is freed). sleeping -> waking -> ready: level 2 loads the
+    weights again (as a start does), then every slot gets a core, ready when all are.
+    Level 1 on a GPU would move the weights to host memory; until that copy exists it is
+    refused there (the weights would stay on the device, which level 1 promises to free)."""
+
+    def __init__(self, daemon):
+        self.d = daemon
+        self.level: int | None = None  # while sleeping, falling asleep or waking
+        self.since: float | None = None  # when the sleep was asked for (wall clock)
+        self.asleep = False  # every core gone (and at level 2 the weights): the sleep is done
+        self._asked: queue.SimpleQueue = queue.SimpleQueue()
+        self.poke = threading.Event()  # the main thread's wake-up
+
+    def ask(self, op: str, level: int | None = None) -> dict:
+        """A sleep (level 1 or 2) or a wake, queued for the main thread; what to reply."""
+        d = self.d
+        if d.supervisor is None:
+            return {"ok": False, "error": "this daemon runs no workers (start it with --workers N): nothing sleeps"}
+        if op == "sleep":
+            if level not in LEVELS:
+                return {"ok": False, "error": f"sleep level {level!r}: 1 (keep the weights) or 2 (drop them)"}
+            if level == 1 and d.r.device != "cpu":
+                return {"ok": False, "error": "sleep level 1 on a GPU (the weights moved to host memory) is not built"
+                        " yet; level 2 frees the device and reads the weights again at wake"}
+        self._asked.put((op, level))
+        self.poke.set()
+        return {}
+
+    def turn(self) -> None:
+        while not self._asked.empty():
+            op, level = self._asked.get()
+            if op == "sleep" and self.d.state == "ready":
+                self._sleep(level)
+            elif op == "wake" and self.d.state == "sleeping":
+                self._wake()
+
+    def status(self) -> dict | None:
+        if self.level is None:
+            return None
+        loaded = self.d.loaded
+        return {"level": self.level, "since": self.since, "asleep": self.asleep,
+                "host_bytes": loaded.arena.size if loaded and self.d.r.device == "cpu" else 0}
+
+    def _sleep(self, level: int) -> None:
+        d = self.d
+        d.state, self.level, self.since = "sleeping", level, time.time()
+        d.supervisor.sleep(level)
+        deadline = time.monotonic() + CORES_GONE_TIMEOUT
+        while d.supervisor.status().get("cores_left", 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if level == 2:
+            d.let_weights_go()
+        self.asleep = True
+        log.info("asleep, level %d", level)
+
+    def _wake(self) -> None:
+        d = self.d
+        d.state, self.asleep = "waking", False
+        t0 = time.monotonic()
+        if d.loaded is None:
+            d.load_again()
+        d.state = "waking"  # (a load said "loading" meanwhile)
+        d.supervisor.sleep(None)
+        deadline = time.monotonic() + d.opts.worker_start_timeout
+        while not all(w["state"] == "ready" for w in d.supervisor.status()["workers"]):
+            if time.monotonic() > deadline:
+                log.error("wake: not every slot is ready after %.0f s; the supervisor goes on filling them",
+                          d.opts.worker_start_timeout)
+                break
+            time.sleep(0.02)
+        d.state, self.level, self.since = "ready", None, None
+        log.info("awake in %.2f s", time.monotonic() - t0)
