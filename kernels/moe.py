@@ -98,10 +98,13 @@ def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Ten
 Expert = Callable[[torch.Tensor], torch.Tensor]
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert]) -> torch.Tensor:
-    """Sum over each token's chosen experts of weight * expert(x). x [T, D], ids/weights [T, k]."""
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Sequence[Expert | None]) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * expert(x). x [T, D], ids/weights [T, k].
+    An expert None is another process's (expert parallelism): its share is summed there."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
+        if experts[e] is None:
+            continue
         token, slot = torch.where(ids == e)
         y = experts[e](x[token]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))

@@ -26,6 +26,7 @@ from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence as Seq
 from preload.worker.engine.speculative import SpecConfig
 from preload.worker.model.deepseek import Transformer, Weights
+from preload.worker.model.parallel import Ranks, rank_config, shard
 
 
 @dataclass
@@ -58,6 +59,7 @@ class LLM:
         state_dir: str | Path | None = None,
         engine: EngineOptions | None = None,
         lazy_graphs: bool = False,
+        ranks: Ranks = Ranks(),
     ):
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
@@ -69,7 +71,10 @@ class LLM:
             raise ValueError("LLM needs a model directory or a daemon's state_dir")
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
-        self.model = Transformer(self.config, weights)
+        if ranks.expert_parallel and self.device.type == "cuda":
+            raise ValueError("expert parallelism on a GPU is not built yet (its grouped kernels take every expert)")
+        # (`ranks`: one process of a tensor-parallel group, its share of the model: worker/model/parallel.py)
+        self.model = Transformer(rank_config(self.config, ranks), shard(self.config, weights, ranks), ranks)
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
         self.lazy_graphs = lazy_graphs  # only the largest decode graph now, the rest as the engine idles

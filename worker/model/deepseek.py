@@ -23,6 +23,7 @@ from preload.kernels.norm import add_rms_norm, rms_norm
 from preload.kernels.quant import BLOCK, Weight
 from preload.kernels.rope import rope_frequencies, rope_qk, softmax_scale
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
+from preload.worker.model.parallel import Ranks
 
 Weights = Mapping[str, torch.Tensor]
 Rope = tuple[torch.Tensor, float]  # the rotary inverse frequencies (on the model's device) and YaRN's scale
@@ -53,11 +54,12 @@ class MLP:
 class MoE:
     """Routed experts (top-k of n per token) plus always-on shared experts."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, p: str):
+    def __init__(self, cfg: ModelConfig, w: Weights, p: str, ranks: Ranks):
         self.cfg = cfg
         self.gate = w[f"{p}.gate.weight"]
         self.bias = w.get(f"{p}.gate.e_score_correction_bias")
-        self.experts = [MLP.load(cfg, w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
+        n = cfg.n_routed_experts  # (None: another rank's, parallel.py)
+        self.experts = [MLP.load(cfg, w, f"{p}.experts.{e}") if ranks.owns_expert(e, n) else None for e in range(n)]
         self.shared = MLP.load(cfg, w, f"{p}.shared_experts") if cfg.n_shared_experts else None
         self._stacked: tuple | None = None
 
@@ -173,13 +175,13 @@ class Attention:
 class Block:
     """Pre-norm decoder layer: x + attention(norm x), then x + feed-forward(norm x)."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights, layer: int):
+    def __init__(self, cfg: ModelConfig, w: Weights, layer: int, ranks: Ranks = Ranks()):
         p = f"model.layers.{layer}"
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.reduce = cfg.rms_norm_eps, ranks.all_reduce  # (the sum of the group's partial sums)
         self.attn_norm = w[f"{p}.input_layernorm.weight"]
         self.attn = Attention(cfg, w, f"{p}.self_attn", layer)
         self.ffn_norm = w[f"{p}.post_attention_layernorm.weight"]
-        self.ffn = MoE(cfg, w, f"{p}.mlp") if cfg.is_moe_layer(layer) else MLP.load(cfg, w, f"{p}.mlp")
+        self.ffn = MoE(cfg, w, f"{p}.mlp", ranks) if cfg.is_moe_layer(layer) else MLP.load(cfg, w, f"{p}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, meta: AttentionMeta,
                 cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +202,8 @@ class Block:
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from the attention's output [T, H * dv] on: (feed-forward output, residual)."""
-        h, residual = add_rms_norm(linear(attended, self.attn.o), residual, self.ffn_norm, self.eps)
-        return self.ffn(h), residual
+        h, residual = add_rms_norm(self.reduce(linear(attended, self.attn.o)), residual, self.ffn_norm, self.eps)
+        return self.reduce(self.ffn(h)), residual
 
     def __call__(self, x: torch.Tensor, rope: Rope, meta: AttentionMeta, cache: LatentCache) -> torch.Tensor:
         out, residual = self.forward(x, None, rope, meta, cache)
@@ -212,28 +214,29 @@ class MTP:
     """DeepSeek-V3's multi-token prediction module: from the main model's hidden state
     at position i and the embedding of token i+1, predict token i+2."""
 
-    def __init__(self, cfg: ModelConfig, w: Weights):
+    def __init__(self, cfg: ModelConfig, w: Weights, ranks: Ranks):
         m = mtp_layer_index(cfg)
         p = f"model.layers.{m}"
         self.eps = cfg.rms_norm_eps
         self.enorm, self.hnorm = w[f"{p}.enorm.weight"], w[f"{p}.hnorm.weight"]
         self.eh_proj = w[f"{p}.eh_proj.weight"]
-        self.block = Block(cfg, w, m)
+        self.block = Block(cfg, w, m, ranks)
         self.norm = w[f"{p}.shared_head.norm.weight"]
 
 
 class Transformer:
     """Embedding, decoder blocks, final norm and output head (plus the MTP module when
-    the checkpoint has one)."""
+    the checkpoint has one). With `ranks` of a group: one rank's share (parallel.py), its
+    `cfg` and `weights` that rank's (rank_config, shard)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights):
+    def __init__(self, cfg: ModelConfig, weights: Weights, ranks: Ranks = Ranks()):
         self.cfg = cfg
         self.embed = weights["model.embed_tokens.weight"]
-        self.layers = [Block(cfg, weights, i) for i in range(cfg.num_layers)]
+        self.layers = [Block(cfg, weights, i, ranks) for i in range(cfg.num_layers)]
         self.norm = weights["model.norm.weight"]
         self.head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         has_mtp = cfg.num_mtp_layers > 0 and f"model.layers.{mtp_layer_index(cfg)}.eh_proj.weight" in weights
-        self.mtp = MTP(cfg, weights) if has_mtp else None
+        self.mtp = MTP(cfg, weights, ranks) if has_mtp else None
         inv_freq, self.rope_scale = rope_frequencies(cfg.rope, cfg.qk_rope_head_dim)
         self.inv_freq = inv_freq.to(self.embed.device)  # once: a copy from the host in a step would wait for the device
 
