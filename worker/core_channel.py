@@ -88,13 +88,13 @@ def params_from_wire(d: dict) -> SamplingParams:
 def output_to_wire(o: Output) -> list:
     prompt_tops = None if o.prompt_top_logprobs is None else [_pairs(t) for t in o.prompt_top_logprobs]
     return [o.seq_id, o.token_ids, o.logprobs, [_pairs(t) for t in o.top_logprobs], o.prompt_logprobs, o.finish_reason,
-            o.error, o.prompt_ranks, prompt_tops, o.cached_tokens]
+            o.error, o.prompt_ranks, prompt_tops, o.cached_tokens, o.refused]
 
 
 def output_from_wire(w: list) -> Output:
-    seq_id, tokens, logprobs, tops, prompt_logprobs, finish, error, prompt_ranks, prompt_tops, cached = w
+    seq_id, tokens, logprobs, tops, prompt_logprobs, finish, error, prompt_ranks, prompt_tops, cached, refused = w
     return Output(seq_id, list(tokens), list(logprobs), [_dict(t) for t in tops], "", finish, prompt_logprobs, error,
-                  prompt_ranks, None if prompt_tops is None else [_dict(t) for t in prompt_tops], cached)
+                  prompt_ranks, None if prompt_tops is None else [_dict(t) for t in prompt_tops], cached, bool(refused))
 
 
 def _pairs(top: dict[int, float] | None) -> list | None:

@@ -44,7 +44,7 @@ import zmq.asyncio
 
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.worker.core_channel import decode, encode, output_from_wire, own, params_to_wire, stats_from_wire
-from preload.worker.engine.async_engine import EngineDead, RequestFailed
+from preload.worker.engine.async_engine import EngineDead, RequestFailed, failure
 from preload.worker.engine.engine import EngineStats, check_sequence
 from preload.worker.engine.faults import SequenceFault
 from preload.worker.engine.output import Output
@@ -182,7 +182,7 @@ class CoreClient:
                 except SequenceFault as fault:
                     raise RequestFailed(str(fault)) from None
                 if out.error is not None:
-                    raise RequestFailed(out.error)
+                    raise failure(out)
                 finished = out.finished
                 yield out
         finally:

@@ -20,7 +20,7 @@ from preload.worker.api.errors import ApiError
 from preload.worker.api.metrics import WorkerMetrics
 from preload.worker.api.protocol import Request as ApiRequest
 from preload.worker.api.state import WorkerState
-from preload.worker.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from preload.worker.engine.async_engine import AsyncEngine, EngineDead, RequestFailed, RequestRefused
 from preload.worker.engine.output import Output
 from preload.worker.engine.sequence import Sequence
 
@@ -115,6 +115,8 @@ class Serving:
             return await until_disconnected(request, asyncio.gather(*tasks))
         except EngineDead as e:
             raise ApiError(503, str(e), "service_unavailable") from None
+        except RequestRefused as e:  # the request's grammar could not go on: its own fault
+            raise ApiError(400, str(e), "invalid_request_error") from None
         except RequestFailed as e:  # not provably the client's fault: a server error
             raise ApiError(500, str(e), "server_error") from None
         finally:

@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from preload.worker.api.protocol import error_body
+from preload.worker.engine.async_engine import RequestRefused
 from preload.worker.engine.output import Output
 
 
@@ -44,6 +45,8 @@ async def event_stream(
             i, event = await updates.get()
             if event is done:
                 remaining -= 1
+            elif isinstance(event, RequestRefused):  # (the status line went out already: said in the stream)
+                yield sse(error_body(str(event), "invalid_request_error", 400))
             elif isinstance(event, Exception):
                 yield sse(error_body(str(event), "server_error", 500))
             elif (chunk := render(i, event)) is not None:

@@ -37,6 +37,15 @@ class RequestFailed(RuntimeError):
     the engine and other requests go on."""
 
 
+class RequestRefused(RequestFailed):
+    """... by the request's own fault (its grammar cannot go on): a 400, not a 500."""
+
+
+def failure(out: Output) -> RequestFailed:
+    """What a reader raises for an Output with an error."""
+    return (RequestRefused if out.refused else RequestFailed)(out.error)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_fatal: Callable[[], None] = lambda: None):
         """on_fatal: called (from the engine thread) when the engine fails; the worker then
@@ -123,7 +132,7 @@ class AsyncEngine:
                 except SequenceFault as fault:
                     raise RequestFailed(str(fault)) from None
                 if out.error is not None:
-                    raise RequestFailed(out.error)
+                    raise failure(out)
                 yield out
         finally:
             del self._readers[seq.id]

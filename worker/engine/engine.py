@@ -21,7 +21,7 @@ from preload.options import EngineOptions
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.prompt_graphs import PromptGraphs
-from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.faults import GrammarRefused, SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
@@ -249,8 +249,7 @@ class Engine:
                 if seq.pending == 0:
                     advancing.append((seq, first + (n - 1 if scoring else 0)))
             except SequenceFault as fault:
-                self.scheduler.finish(seq, "error")
-                outputs.append(Output(seq.id, error=str(fault)))
+                outputs.append(self._failed(seq, fault))
         outputs += self.advance([seq for seq, _ in advancing], self.sample(advancing, logprobs))
         outputs += [self._verify(*v) for v in verifying]
         if self.drafter is not None:
@@ -295,9 +294,13 @@ class Engine:
                 if seq.finished:
                     break
         except SequenceFault as fault:
-            self.scheduler.finish(seq, "error")
-            outs.append(Output(seq.id, error=str(fault)))
+            outs.append(self._failed(seq, fault))
         return Output.merge(outs)
+
+    def _failed(self, seq: Sequence, fault: SequenceFault) -> Output:
+        """`seq` ends with its fault (faults.py); the others go on."""
+        self.scheduler.finish(seq, "error")
+        return Output(seq.id, error=str(fault), refused=fault.refused)
 
     def advance(self, seqs: list[Sequence], drawn: list) -> list[Output]:
         """An Output for each of `seqs` with what `sample` drew for it (or its fault)."""
@@ -308,8 +311,7 @@ class Engine:
                     raise d
                 outputs.append(self._advance(seq, *d))
             except SequenceFault as fault:
-                self.scheduler.finish(seq, "error")
-                outputs.append(Output(seq.id, error=str(fault)))
+                outputs.append(self._failed(seq, fault))
         return outputs
 
     def sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:
@@ -420,8 +422,9 @@ class Engine:
                 seq.top_logprobs.append(top)
         if seq.matcher is not None:
             with stage("structured output"):
-                if not seq.matcher.consume_token(token):
-                    raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+                consumed = seq.matcher.consume_token(token)
+            if not consumed:
+                raise GrammarRefused(f"at output token {len(seq.output)} ({token}): {seq.matcher.get_error().splitlines()[0]}")
         reason = self._finish_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)

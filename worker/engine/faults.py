@@ -28,9 +28,22 @@ ENGINE_FAULTS = (
 class SequenceFault(Exception):
     """One sequence's own work failed in `stage`."""
 
+    refused = False  # the request's own fault (RequestRefused: a 400), not the server's
+
     def __init__(self, stage: str, cause: Exception):
         super().__init__(f"{stage} failed for this request: {type(cause).__name__}: {cause}")
         self.stage = stage
+
+
+class GrammarRefused(SequenceFault):
+    """The request's grammar cannot go on (past llguidance's limits, somewhere its first
+    step did not reach: grammar.py checks that one at admission): its own fault."""
+
+    refused = True
+
+    def __init__(self, why: str):
+        Exception.__init__(self, f"structured output: the grammar cannot go on: {why}")
+        self.stage = "structured output"
 
 
 @contextmanager

@@ -26,6 +26,7 @@ class Output:
     prompt_ranks: list[int | None] | None = None  # with prompt_logprobs (Sequence's)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None  # likewise, when n > 0 are asked
     cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache held
+    refused: bool = False  # with an error: the request's own fault (its grammar), a 400 rather than a 500
 
     @property
     def finished(self) -> bool:
@@ -49,4 +50,5 @@ class Output:
             next((o.prompt_ranks for o in outputs if o.prompt_ranks is not None), None),
             next((o.prompt_top_logprobs for o in outputs if o.prompt_top_logprobs is not None), None),
             next((o.cached_tokens for o in outputs if o.cached_tokens is not None), None),
+            last.refused,
         )

@@ -232,3 +232,25 @@ def test_a_grammar_that_cannot_start_is_a_400_naming_why(worker, field, says):
         assert says in r.json()["error"]["message"], r.json()
     ok = worker.post("/v1/completions", {"prompt": "t5", "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"}})
     assert ok.status_code == 200 and re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["text"]), ok.text
+
+
+DEEP = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+        "required": ["b"]}  # (its first step may begin "a": the pattern is met only once "b" is chosen)
+
+
+def test_a_grammar_that_cannot_go_on_deep_in_an_output_is_the_requests_fault(worker):
+    """A schema whose first step is fine but whose string pattern is past llguidance's
+    limits (reached a few tokens in, where admission does not look): the request ends with
+    a 400 naming the grammar, not a 500; streamed, the error event says the same."""
+    body = {"prompt": "t5", "max_tokens": 32, "temperature": 0, "response_format": {"type": "json_schema",
+                                                                   "json_schema": {"name": "x", "schema": DEEP}}}
+    r = worker.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert "the grammar cannot go on" in r.json()["error"]["message"] and r.json()["error"]["type"] == \
+        "invalid_request_error", r.json()
+    streamed = worker.post("/v1/completions", body | {"stream": True})
+    assert streamed.status_code == 200
+    errors = [json.loads(line[5:]) for line in streamed.text.splitlines()
+              if line.startswith("data:") and line[5:].strip().startswith('{"error"')]
+    assert errors and errors[0]["error"]["code"] == 400 and "the grammar cannot go on" in errors[0]["error"]["message"]
+    assert worker.post("/v1/completions", {"prompt": "t5", "max_tokens": 4}).status_code == 200
