@@ -213,7 +213,10 @@ def test_hostile_requests_leave_the_worker_serving(worker, known, vocab):
 
     check()
     print(f"statuses of {sum(seen_statuses.values())} hostile requests: {dict(sorted(seen_statuses.items()))}")
-    assert seen_statuses[200] >= EXAMPLES // 2  # most were served (the engine ran them), not only refused
+    # Many were served (the engine ran them), not only refused. (Which examples hypothesis draws
+    # depends on the hypothesis tests run before in the same process, derandomized or not: 244
+    # to 315 of 504 were served, alone or in the whole suite.)
+    assert seen_statuses[200] >= EXAMPLES * 2 // 5
 
 
 def test_nothing_is_left_running_and_the_worker_lives(worker):
