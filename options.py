@@ -118,6 +118,12 @@ class EngineOptions:
     speculative_config: str | None = option(
         None, 'Speculative decoding, as JSON: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens a step'
         " with the checkpoint's MTP layer, verified in one pass of the model.")
+    tensor_parallel_size: int = option(
+        1, "Processes computing each worker's model together, each its share of the weights (heads, the feed-forward's"
+        " intermediate dimension; the CPU's, over gloo, for now).", bounds=(1, None))
+    enable_expert_parallel: bool = option(
+        False, "With --tensor-parallel-size: each process holds whole routed experts, its share of them, rather than"
+        " a share of every expert.")
     enable_prefix_caching: bool = option(
         True, "Share the KV cache of full blocks between requests that begin with the same tokens (and the same"
         " cache_salt).", flag="--enable-prefix-caching/--no-enable-prefix-caching")

@@ -27,6 +27,7 @@ from preload.worker.engine.sequence import Sequence as Seq
 from preload.worker.engine.speculative import SpecConfig
 from preload.worker.model.deepseek import Transformer, Weights
 from preload.worker.model.parallel import Ranks, rank_config, shard
+from preload.worker.tensor_group import Leader
 
 
 @dataclass
@@ -60,6 +61,7 @@ class LLM:
         engine: EngineOptions | None = None,
         lazy_graphs: bool = False,
         ranks: Ranks = Ranks(),
+        leader: Leader | None = None,
     ):
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
@@ -71,6 +73,10 @@ class LLM:
             raise ValueError("LLM needs a model directory or a daemon's state_dir")
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
+        self.leader = leader  # rank 0 of a group of processes (tensor_group.py): its engines' steps are the group's
+        ranks = leader.ranks if leader is not None else ranks
+        if leader is not None and self.device.type == "cuda":
+            raise ValueError("--tensor-parallel-size on a GPU (NCCL, a device per rank) is not built yet")
         if ranks.expert_parallel and self.device.type == "cuda":
             raise ValueError("expert parallelism on a GPU is not built yet (its grouped kernels take every expert)")
         # (`ranks`: one process of a tensor-parallel group, its share of the model: worker/model/parallel.py)
@@ -91,6 +97,8 @@ class LLM:
         engines of the same cache layout (only their cache's addresses change).
         `kv_memory`: where the cache lives (engine.Engine), for a supervised worker."""
         self._drop_engine()
+        if self.leader is not None and config.speculative_config:
+            raise ValueError("--speculative-config with --tensor-parallel-size is not built yet (drafts run eagerly apart)")
         graphs = prompt_graphs = None
         # (Speculative steps run eagerly: the drafter reads hidden states a graph does not keep.)
         if self.device.type == "cuda" and not config.enforce_eager and not config.speculative_config:
@@ -109,6 +117,8 @@ class LLM:
         if graphs is not None and not graphs.graphs:
             graphs.capture(self.engine.cache, self.engine.scratch_block, graphs.sizes[-1:] if self.lazy_graphs else None)
         self.stop_ids = self.engine.stop_ids
+        if self.leader is not None:
+            self.leader.lead(self.engine)
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:
         self.config = ModelConfig.from_dir(model_dir)
@@ -168,6 +178,8 @@ class LLM:
 
     def close(self) -> None:
         self._drop_engine()
+        if self.leader is not None:
+            self.leader.close()
         if self._draft is not None and self._draft[2] is not None:
             self._draft[2].close()
         if self.attached is not None:

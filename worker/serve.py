@@ -40,6 +40,7 @@ from preload.worker.api.app import create_app
 from preload.worker.api.limits import BodyLimit
 from preload.worker.api.state import WorkerState
 from preload.worker.core import Core, hello_of
+from preload.worker import tensor_group
 from preload.worker.core_channel import core_address
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sampling_params import SamplingParams
@@ -170,7 +171,11 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     state = WorkerState()
     core: Core | None = None
     link.beat(lambda: core.progress() if core else (0, False))  # from now on: one stuck before its engine runs too
-    llm = open_weights(opts, state, supervised=True, lazy_graphs=lazy_graphs)
+    e = w.engine
+    leader = None if e.tensor_parallel_size == 1 else tensor_group.start(
+        e.tensor_parallel_size, e.enable_expert_parallel, Path(opts.state_dir) / f"group-{os.getpid()}.rendezvous",
+        {"state_dir": str(opts.state_dir)})  # (its followers attach while this core does)
+    llm = open_weights(opts, state, supervised=True, lazy_graphs=lazy_graphs, leader=leader)
     log.info("weights attached in %.3f s", time.monotonic() - state.started)
     freeze_objects()
     t = time.monotonic()
@@ -253,14 +258,16 @@ def freeze_objects() -> None:
     gc.freeze()
 
 
-def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_graphs: bool) -> LLM:
+def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_graphs: bool,
+                 leader: tensor_group.Leader | None = None) -> LLM:
     """The model on the daemon's weights; or, when no daemon answers on the state dir and
     --model names a checkpoint (and neither --require-daemon nor a supervisor says the
     daemon is a must), on the checkpoint loaded here, as vLLM's preload falls back: the
     worker still serves, said loudly in its log and /status."""
     engine = replace(opts.worker.engine, kv_cache_memory=WARM_UP_KV_BYTES)
     try:
-        llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine, lazy_graphs=lazy_graphs)
+        llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine, lazy_graphs=lazy_graphs,
+                  leader=leader)
         state.weights_note = f"the daemon's on {llm.attached.state_dir}"
         return llm
     except DaemonUnavailable as e:
