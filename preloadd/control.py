@@ -47,6 +47,7 @@ OWNER_OPS = ("restart", "shutdown", "sleep", "wake")  # what only the daemon's o
 MAX_REQUEST = 64 << 10  # bytes of one request at most
 PER_PROCESS = 16  # connections one process may hold at once
 MAX_CONNECTIONS = 256  # connections of all peers at once
+MAX_REFUSED = 32  # of which, at most, of peers refused (another uid: told so once, then dropped)
 REQUEST_TIMEOUT = 2.0  # seconds from a request's first byte (fds.sock: from the connect) to its last
 SEND_TIMEOUT = 10.0  # seconds a peer has to take in a reply
 LOG_EVERY = 10.0  # seconds between two log lines of the same kind of refusal
@@ -175,7 +176,12 @@ class ControlServer:
             if refusal is not None:
                 self.on_error()
                 self.quiet.warn("uid", "%s socket: refused pid %d uid %d gid %d", kind, pid, uid, gid)
-            deadline = time.monotonic() + REQUEST_TIMEOUT if kind == "fds" else None
+                if sum(c.refusal is not None for c in self.conns.values()) >= MAX_REFUSED:
+                    sock.close()  # (they may not crowd out the peers that are allowed)
+                    continue
+            # A refused peer, like any on the fd socket, has its moment to send its one request;
+            # an allowed one may hold its control connection (an attached worker does).
+            deadline = time.monotonic() + REQUEST_TIMEOUT if kind == "fds" or refusal else None
             conn = Connection(sock, kind, pid, uid, refusal, deadline)
             self.conns[sock] = conn
             self.per_process[pid] += 1

@@ -336,6 +336,43 @@ def test_a_client_of_another_uid_is_refused_on_both_sockets(daemon):
     assert daemon.get("/health").status_code == 200
 
 
+def hold_silent_connections(state_dir: str) -> dict:
+    """Runs as uid 65534: 40 connections to the control socket that say nothing; how many
+    the daemon closed within 3 s (a refused peer may not hold a slot for long)."""
+    import time as clock
+
+    socks = []
+    for _ in range(40):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(os.path.join(state_dir, "control.sock"))
+        s.settimeout(0.1)
+        socks.append(s)
+    clock.sleep(3.0)
+    closed = 0
+    for s in socks:
+        try:
+            while s.recv(1 << 16):  # (past what it was told, if anything: its end)
+                pass
+            closed += 1
+        except TimeoutError:
+            pass  # still open
+        except OSError:
+            closed += 1
+        s.close()
+    return {"uid": os.getuid(), "closed": closed}
+
+
+def test_refused_peers_are_dropped_and_never_crowd_out_the_allowed(daemon):
+    open_to_others(daemon.state_dir)
+    try:
+        seen = as_nobody(hold_silent_connections, str(daemon.state_dir))
+    finally:
+        close_to_others(daemon.state_dir)
+    assert seen.get("uid") == NOBODY and seen["closed"] == 40, seen
+    with DaemonClient(daemon.state_dir, timeout=5) as client:
+        assert client.request("status")["status"]["state"] == "ready"
+
+
 def test_an_allow_listed_uid_attaches(tiny_checkpoint, base_dir):
     with running_daemon(base_dir / "allow-state", tiny_checkpoint, "--allow-uid", NOBODY) as d:
         open_to_others(d.state_dir)
