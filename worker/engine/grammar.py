@@ -114,11 +114,11 @@ def first_step_error(grammar: str) -> str | None:
     over a tokenizer of single bytes computes its first mask and takes the first byte it
     allows. Whether any text matches is the grammar's own property, which any tokenizer
     shows; the byte one costs well under a millisecond for the usual schema, where the
-    model's (up to 128k tokens, in the engine) would cost more. Its limits are
-    llguidance's defaults, as the engine's (Grammars.matcher)."""
+    model's (up to 128k tokens, in the engine) would cost more. Its limits are the
+    engine's (Grammars.matcher): `limits`."""
     from llguidance import LLMatcher
 
-    matcher = LLMatcher(byte_tokenizer(), grammar, log_level=0)
+    matcher = LLMatcher(byte_tokenizer(), grammar, log_level=0, limits=limits())
     first = allowed(matcher, BYTES + 1)[:BYTES].nonzero().flatten()
     if not matcher.is_error() and (len(first) == 0 or matcher.consume_token(int(first[0]))):
         return None  # (no byte but the end allowed: the one text it matches is empty, a fine output)
@@ -128,6 +128,21 @@ def first_step_error(grammar: str) -> str | None:
 
 
 BYTES = 256  # byte_tokenizer's tokens; its end-of-text token is the next id
+
+# llguidance's fuel (its units: ~50k/ms building a lexer, ~14k/ms a mask step), a fifth and a
+# half of its defaults: a grammar's first step at admission then costs at most tens of ms of
+# the front's event loop, and a mask at most ~7 ms of an engine step, which every other
+# sequence in the batch waits for. With the defaults, the regex (a{1000}){1000} took 0.48 s to
+# be refused, and a{100000} cost 20-30 ms a token; now 0.055 s and 0.026 s, both refused as too
+# complex (a{10000}: 4 ms, served; the usual schema: 2 ms).
+LEXER_FUEL, STEP_FUEL = 200_000, 100_000
+
+
+@lru_cache(maxsize=1)
+def limits():
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(initial_lexer_fuel=LEXER_FUEL, step_lexer_fuel=STEP_FUEL)
 
 
 @lru_cache(maxsize=1)
@@ -159,7 +174,7 @@ class Grammars:
 
         if self._ll is None:  # once per engine: about a second for a 128k vocabulary
             self._ll = LLTokenizer(self.tokenizer.hf.to_str(), n_vocab=self.vocab, eos_token=sorted(self.stop_ids))
-        return LLMatcher(self._ll, grammar)
+        return LLMatcher(self._ll, grammar, limits=limits())
 
 
 def allowed(matcher, vocab: int) -> torch.Tensor:

@@ -45,6 +45,15 @@ def test_a_grammar_over_llguidances_limits_is_refused_with_its_message(compile_)
         compile_()
 
 
+def test_the_servers_limits_refuse_what_would_stall_every_step_and_keep_the_rest():
+    """The fuel the engine's matchers get (grammar.limits): a repetition whose every mask
+    cost 20-30 ms of each engine step (a{100000}) is refused as too complex; one ten times
+    shorter, served."""
+    with pytest.raises(ValueError, match="too complex to follow"):
+        regex_grammar("a{100000}")
+    assert regex_grammar("a{10000}")
+
+
 def test_syntax_errors_name_the_error_not_only_where():
     with pytest.raises(ValueError, match="regex parse error.*unclosed group"):
         regex_grammar("(")
