@@ -144,11 +144,6 @@ class WorkerOptions:
     allowed_methods: tuple[str, ...] = option((), "CORS: methods allowed (repeatable) [default: *, with --allowed-origins].")
     allowed_headers: tuple[str, ...] = option((), "CORS: headers allowed (repeatable) [default: *, with --allowed-origins].")
     allow_credentials: bool = option(False, "CORS: let browsers send credentials.")
-
-    @property
-    def key(self) -> str | None:
-        """The API key in force: --api-key, else $PRELOAD_API_KEY or $VLLM_API_KEY."""
-        return self.api_key or os.environ.get("PRELOAD_API_KEY") or os.environ.get("VLLM_API_KEY")
     chat_template: Path | None = option(None, "A jinja chat template file to render chats with instead of the checkpoint's.")
     enable_auto_tool_choice: bool = option(
         False, "Serve tool_choice \"auto\": the model's tool calls found in its text by --tool-call-parser.")
@@ -166,6 +161,11 @@ class WorkerOptions:
     trust_request_chat_template: bool = option(
         False, "Let requests supply chat_template / chat_template_kwargs (changes server-side rendering).")
     engine: EngineOptions = field(default_factory=EngineOptions)
+
+    @property
+    def key(self) -> str | None:
+        """The API key in force: --api-key, else $PRELOAD_API_KEY or $VLLM_API_KEY."""
+        return self.api_key or os.environ.get("PRELOAD_API_KEY") or os.environ.get("VLLM_API_KEY")
 
 
 @dataclass(frozen=True)

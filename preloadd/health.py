@@ -59,10 +59,10 @@ def worker_gone(pid: int) -> None:
             log.exception("the metrics files of pid %d could not be merged", pid)
 
 
-def dead_owners(directory: Path) -> set[int]:
-    """The pids of files in `directory` whose processes have exited (a zombie, not
-    reaped yet, has not: it is absorbed when it is)."""
-    return {pid for pid in owners(directory) if not psutil.pid_exists(pid)}
+def dead_owners(directory: Path, owned: set[int] | None = None) -> set[int]:
+    """The pids of files in `directory` (`owned`, if listed already) whose processes have
+    exited (a zombie, not reaped yet, has not: it is absorbed when it is)."""
+    return {pid for pid in (owners(directory) if owned is None else owned) if not psutil.pid_exists(pid)}
 
 
 def prepare_metrics_dir(directory: Path) -> None:
@@ -74,8 +74,9 @@ def prepare_metrics_dir(directory: Path) -> None:
     directory.mkdir(mode=0o700, exist_ok=True)
     if directory.is_symlink():  # (its files are deleted below: never those of where a link points)
         raise StateDirError(f"{directory} is a symbolic link, which preload never follows; remove it")
-    dead = dead_owners(directory)
-    if owners(directory) - dead:
+    owned = owners(directory)
+    dead = dead_owners(directory, owned)
+    if owned - dead:
         absorb(directory, dead)
         for f in directory.glob(".*.tmp"):  # a crashed absorb's
             f.unlink()

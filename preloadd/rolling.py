@@ -120,13 +120,19 @@ class RollingRestart:
         log.info("worker %d: pid %d takes over from pid %d", fresh.slot, fresh.pid, old.pid)
 
 
-def restart_now(sup: Supervisor) -> None:
-    """`restart --now`: every core killed at once (the fronts stay: they hand the requests to
-    the new cores), every spare retired; the refill forks new ones."""
+def cancel_restarts(sup: Supervisor) -> None:
+    """The rolling restart under way, and one queued after it, given up (a restart --now or
+    a sleep replaces, or lets go, every core at once)."""
     if sup.rolling is not None:
         sup.rolling.cancel(sup)
         sup.rolling = None
     sup._restart_queued = False
+
+
+def restart_now(sup: Supervisor) -> None:
+    """`restart --now`: every core killed at once (the fronts stay: they hand the requests to
+    the new cores), every spare retired; the refill forks new ones."""
+    cancel_restarts(sup)
     for w in list(sup.workers.values()):
         if w.role == "front":
             continue  # (the fronts stay: they hand the requests to the new cores)

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from preload.preloadd.rolling import cancel_restarts
 from preload.preloadd.workers import Worker
 
 if TYPE_CHECKING:  # the supervisor drives this; only its type is needed here
@@ -29,10 +30,7 @@ log = logging.getLogger("preload.daemon")
 
 
 def fall_asleep(sup: Supervisor, level: int) -> None:
-    if sup.rolling is not None:  # (a restart has nothing left to replace)
-        sup.rolling.cancel(sup)
-        sup.rolling = None
-    sup._restart_queued = False
+    cancel_restarts(sup)  # (a restart has nothing left to replace)
     sup.asleep = level
     for w in list(sup.workers.values()):
         if w.role == "front":

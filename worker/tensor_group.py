@@ -177,9 +177,10 @@ def main(spec: dict) -> None:
     m = weights.manifest
     cfg = ModelConfig.from_dir(m.model)
     ranks = Ranks(spec["rank"], spec["size"], spec["expert_parallel"])
-    model = Transformer(rank_config(cfg, ranks), shard(cfg, weights, ranks), ranks)
+    mine = rank_config(cfg, ranks)
+    model = Transformer(mine, shard(cfg, weights, ranks), ranks)
     try:
-        follow(model, rank_config(cfg, ranks), getattr(torch, m.dtype), torch.device(m.device))
+        follow(model, mine, getattr(torch, m.dtype), torch.device(m.device))
     finally:
         weights.close()
         dist.destroy_process_group()
