@@ -38,6 +38,8 @@ LABELS = (
     ("preload.kernels.fused_moe", "fused_moe", "routed experts"),
     ("preload.kernels.fused_moe", "align_by_expert_triton", "routed experts: alignment", "routed experts"),
     ("preload.kernels.fused_moe", "_grouped_gemm", "routed experts: grouped GEMMs", "routed experts"),
+    ("preload.kernels.moe_prefill", "_expert_gemm", "routed experts: grouped GEMMs", "routed experts"),
+    ("preload.kernels.moe_prefill", "_gather_rows", "routed experts: rows gathered", "routed experts"),
     ("preload.kernels.moe_decode", "moe_decode", "routed experts"),
     ("preload.worker.model.deepseek", "rms_norm", "norms"),
     ("preload.worker.model.deepseek", "add_rms_norm", "norms"),

@@ -25,6 +25,7 @@ import triton.language as tl
 from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
 from preload.kernels.moe_align import align_by_expert_triton
+from preload.kernels.moe_prefill import moe_prefill, supported
 from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
 
@@ -215,11 +216,14 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     """sum over each token's k experts of weight * down(silu(gate x) * up x); x [T, D],
     ids and weights [T, k]; gate and up [E, I, D], down [E, D, I] (stack_experts).
     e4m3 experts in a prefill take e4m3 activations (fp8_activations): x quantized per token
-    and 128 columns, and the SwiGLU output written so by the first GEMM for the second."""
+    and 128 columns, and the SwiGLU output written so by the first GEMM for the second.
+    Where experts average 128 pairs or more, moe_prefill.py's kernels (TMA) run instead."""
     t, top_k = ids.shape
     pairs = t * top_k
     num_experts, inner = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[:2]
     block_m = block_rows(pairs, num_experts)
+    if block_m == 128 and supported(gate, block_m):  # a prefill's thousands of pairs: operands by TMA
+        return moe_prefill(x, ids, weights, gate, up, down, align_by_expert_triton(ids, num_experts, block_m), block_m)
     if isinstance(gate, Fp8Weight):  # (e4m3's prefill tiles: 64 rows, tile_config)
         block_m = min(block_m, 64)
     aligned = align_by_expert_triton(ids, num_experts, block_m)  # one launch; align_by_expert is its reference

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from preload.kernels.prefill import CHUNK, chunk_latents, context_starts, flat_context_length
+from preload.kernels.prefill import CHUNK, PrefillPlan, chunk_latents, prefill_plan
 from preload.kernels.triton_dot import INTERPRETING, dot_dtype
 
 # Tiles on the GPU: 128 new tokens x 64 keys, 8 warps, 3 stages: the fastest of those
@@ -147,7 +147,8 @@ def _tile(n: int) -> int:
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, pools: tuple,
                 block_table: torch.Tensor, context_lens: torch.Tensor, q_starts: torch.Tensor,
                 block_size: int, max_context: int, max_q: int, scale: float, chunk: int = CHUNK, *,
-                out: torch.Tensor | None = None, context_tokens: int | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, context_tokens: int | None = None,
+                plan: PrefillPlan | None = None) -> torch.Tensor:
     """Causal MLA of T new tokens against their contexts in the paged cache: arguments and
     result as for `prefill.mla_prefill_reference`. -> [T, H, dv] in q_nope's dtype."""
     rows, heads, dn = q_nope.shape
@@ -157,12 +158,13 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
         out = q_nope.new_empty(rows, heads, dv)
     assert out.shape == (rows, heads, dv) and out.stride(-1) == 1, "out: [T, H, dv], rows contiguous"
     batch = context_lens.numel()
-    total = flat_context_length(context_lens, max_context, context_tokens)
-    if rows == 0 or batch == 0 or total == 0:
+    if rows == 0 or batch == 0:
+        return out
+    plan = plan or prefill_plan(block_table, context_lens, q_starts, block_size, max_context, context_tokens)
+    total = plan.total
+    if total == 0:
         return out
     q_nope, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_nope, q_pe))
-    kv_starts = context_starts(context_lens)
-    q_starts, lens = q_starts.long(), context_lens.long()
     m, l, acc = _state_buffers(rows, heads, dv, q_nope.device)
     chunk = min(chunk, total)
     kv = q_nope.new_empty(chunk, heads * (dn + dv))  # one buffer for every chunk's keys and values
@@ -170,11 +172,11 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
     grid = (batch, triton.cdiv(max_q, BLOCK_M), heads)
     for lo in range(0, total, chunk):
         hi = min(lo + chunk, total)
-        c, k_pe, _, _ = chunk_latents(pools, block_table, kv_starts, lo, hi, block_size, q_nope.dtype)
+        c, k_pe = chunk_latents(pools, plan.slots[lo:hi], q_nope.dtype)
         torch.matmul(c, kv_b_t, out=kv[: hi - lo])
         del c
         _prefill_chunk[grid](
-            q_nope, q_pe, kv, k_pe, q_starts, kv_starts, lens, m, l, acc, out, lo, hi, scale * LOG2_E,
+            q_nope, q_pe, kv, k_pe, plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out, lo, hi, scale * LOG2_E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), k_pe.stride(0),
             m.stride(0), acc.stride(0), acc.stride(1), out.stride(0), out.stride(1),
             DN=dn, DR=dr, DV=dv, PN=_tile(dn), PR=_tile(dr), PV=_tile(dv), FINAL=hi == total,

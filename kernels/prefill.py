@@ -29,6 +29,8 @@ here each of their context tokens is up-projected for a single query.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 CHUNK = 4096  # context tokens up-projected at a time
@@ -48,19 +50,42 @@ def flat_context_length(context_lens: torch.Tensor, max_context: int, context_to
     return max_context if context_lens.numel() == 1 else int(context_lens.sum())
 
 
-def chunk_latents(pools: tuple, block_table: torch.Tensor, kv_starts: torch.Tensor, lo: int, hi: int,
-                  block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cached rows of flat context tokens lo .. hi-1: (c_kv [L, r], k_pe [L, dr]) in
-    `dtype`, and each token's sequence and position [L]."""
-    c_kv, k_pe, c_scale, k_scale = pools[:4]
+class PrefillPlan(NamedTuple):
+    """What the chunked prefill takes from a step's layout alone, the same in every layer:
+    made once a step (`prefill_plan`), not once a layer (on the GPU each of its dozen small
+    launches is host time between a replayed step's pieces)."""
+
+    kv_starts: torch.Tensor  # [B + 1] int64: where each context begins in the flat order
+    q_starts: torch.Tensor  # [B + 1] int64
+    context_lens: torch.Tensor  # [B] int64
+    slots: torch.Tensor  # [total] int64: the cache slot of each flat context token
+    total: int  # the flat order's length
+
+
+def prefill_plan(block_table: torch.Tensor, context_lens: torch.Tensor, q_starts: torch.Tensor, block_size: int,
+                 max_context: int, context_tokens: int | None = None) -> PrefillPlan:
+    """The plan of a step whose prompts have these block tables and context lengths."""
+    total = flat_context_length(context_lens, max_context, context_tokens)
+    kv_starts = context_starts(context_lens)
+    seq, pos = context_positions(kv_starts, 0, total)
+    slots = block_table.long()[seq, pos // block_size] * block_size + pos % block_size
+    return PrefillPlan(kv_starts, q_starts.long(), context_lens.long(), slots, total)
+
+
+def context_positions(kv_starts: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and position of flat context tokens lo .. hi-1 [L]."""
     flat = torch.arange(lo, hi, device=kv_starts.device)
     seq = torch.searchsorted(kv_starts[1:], flat, right=True)
-    pos = flat - kv_starts[seq]
-    slots = block_table.long()[seq, pos // block_size] * block_size + pos % block_size
+    return seq, flat - kv_starts[seq]
+
+
+def chunk_latents(pools: tuple, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached rows at `slots` (a chunk of the plan's): (c_kv [L, r], k_pe [L, dr]) in `dtype`."""
+    c_kv, k_pe, c_scale, k_scale = pools[:4]
     c, k = c_kv[slots], k_pe[slots]
     if c_scale is not None:  # e4m3 rows with a scale each
-        return (c.float() * c_scale[slots]).to(dtype), (k.float() * k_scale[slots]).to(dtype), seq, pos
-    return c.to(dtype), k.to(dtype), seq, pos
+        return (c.float() * c_scale[slots]).to(dtype), (k.float() * k_scale[slots]).to(dtype)
+    return c.to(dtype), k.to(dtype)
 
 
 def query_positions(q_starts: torch.Tensor, context_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +99,8 @@ def query_positions(q_starts: torch.Tensor, context_lens: torch.Tensor, rows: in
 def mla_prefill_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, pools: tuple,
                           block_table: torch.Tensor, context_lens: torch.Tensor, q_starts: torch.Tensor,
                           block_size: int, max_context: int, max_q: int, scale: float, chunk: int = CHUNK, *,
-                          out: torch.Tensor | None = None, context_tokens: int | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, context_tokens: int | None = None,
+                          plan: PrefillPlan | None = None) -> torch.Tensor:
     """Causal MLA of T new tokens against their contexts in the paged cache, chunk by chunk.
 
     q_nope [T, H, dn], q_pe [T, H, dr]; kv_b [H*(dn+dv), r] dense, in the activations'
@@ -86,22 +112,24 @@ def mla_prefill_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.
     context. max_context, max_q: no context is longer, no sequence has more new tokens
     (the kernel's grid). scale: the softmax's. chunk: context tokens up-projected at a
     time. context_tokens: sum(context_lens) if the caller knows it on the host (else it
-    is read back, unless there is one sequence). out: [T, H, dv] to write into.
+    is read back, unless there is one sequence). out: [T, H, dv] to write into. plan: the
+    step's `prefill_plan` of these arguments, if made already (a layer before).
     -> [T, H, dv] in q_nope's dtype.
     """
     rows, heads, dn = q_nope.shape
     dv = kv_b.shape[0] // heads - dn
     if out is None:
         out = q_nope.new_empty(rows, heads, dv)
-    total = flat_context_length(context_lens, max_context, context_tokens)
-    kv_starts = context_starts(context_lens)
+    plan = plan or prefill_plan(block_table, context_lens, q_starts, block_size, max_context, context_tokens)
+    total = plan.total
     q_seq, q_pos = query_positions(q_starts, context_lens, rows)
     m = q_nope.new_full((rows, heads), float("-inf"), dtype=torch.float32)
     l = torch.zeros_like(m)
     acc = q_nope.new_zeros(rows, heads, dv, dtype=torch.float32)
     for lo in range(0, total, chunk):
-        c, k_pe, k_seq, k_pos = chunk_latents(pools, block_table, kv_starts, lo, min(lo + chunk, total), block_size,
-                                              q_nope.dtype)
+        hi = min(lo + chunk, total)
+        c, k_pe = chunk_latents(pools, plan.slots[lo:hi], q_nope.dtype)
+        k_seq, k_pos = context_positions(plan.kv_starts, lo, hi)
         kv = (c @ kv_b.t()).unflatten(-1, (heads, -1)).float()  # [L, H, dn + dv]
         k_nope, v = kv[..., :dn], kv[..., dn:]
         for a in range(0, rows, QUERY_ROWS):

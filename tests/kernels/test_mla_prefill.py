@@ -116,13 +116,13 @@ def test_a_chunk_is_counted_in_tokens_of_all_the_contexts_together(monkeypatch):
     case = prefill_case([10] * 4, [10] * 4, 2, **SMALL, page=4, fp8=False, seed=9)
     seen, real = [], kernel.chunk_latents
 
-    def spy(pools, table, starts, lo, hi, *rest):
-        seen.append((lo, hi))
-        return real(pools, table, starts, lo, hi, *rest)
+    def spy(pools, slots, dtype):
+        seen.append(len(slots))
+        return real(pools, slots, dtype)
 
     monkeypatch.setattr(kernel, "chunk_latents", spy)
     assert_close(kernel.mla_prefill(**case, chunk=16), gathered(case))
-    assert seen == [(0, 16), (16, 32), (32, 40)]
+    assert seen == [16, 16, 8]
 
 
 # On the GPU: the real models' shapes, a few thousand tokens, and the memory bound.

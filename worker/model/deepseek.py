@@ -112,7 +112,7 @@ def paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor
         out[:d] = absorbed(d)
     p = meta.prompts
     mla_prefill(q_nope[d:], q_pe[d:], kv_b, pools, p.block_table, p.context_lens, p.q_starts, meta.block_size,
-                p.max_context, p.max_q, scale, out=out[d:], context_tokens=p.context_tokens)
+                p.max_context, p.max_q, scale, out=out[d:], context_tokens=p.context_tokens, plan=meta.prefill_plan)
     return out
 
 

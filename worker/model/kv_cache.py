@@ -20,6 +20,7 @@ import torch
 from preload.checkpoint.config import ModelConfig
 from preload.kernels.attention import Pools, paged_slots, write_latents
 from preload.kernels.fp8 import FP8
+from preload.kernels.prefill import PrefillPlan, prefill_plan
 
 
 def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -201,6 +202,14 @@ class AttentionMeta:
         d = self.decode_rows
         return PromptRows(self.block_table[d:], self.context_lens[d:], self.q_starts[d:] - d, max(self.prompt_lens),
                           self.prompt_max_q, sum(self.prompt_lens))
+
+    @cached_property
+    def prefill_plan(self) -> PrefillPlan:
+        """The chunked prefill's plan of the rows past the decode rows, made at the first
+        layer's attention and taken by every layer's."""
+        p = self.prompts
+        return prefill_plan(p.block_table, p.context_lens, p.q_starts, self.block_size, p.max_context,
+                            p.context_tokens)
 
     @cached_property
     def q_valid(self) -> torch.Tensor:
