@@ -94,9 +94,6 @@ class Engine:
             raise ValueError("kv_cache_memory is None (auto): resolve it to a number of bytes first")
         spec = SpecConfig.parse(config.speculative_config)
         check_drafter(spec, model, draft)
-        if spec is not None and config.logits_processors:  # (drafts are judged on the model's own logits)
-            raise ValueError("--logits-processors and --speculative-config together: the drafts and their"
-                             " acceptance would skip the processors; choose one")
         mtp = spec is not None and spec.method == "mtp"
         layers = model.num_cache_layers if mtp else cfg.num_layers  # the MTP layer's latents: one layer more
         per_block = config.block_size * bytes_per_token(cfg, layers, dtype, config.kv_cache_dtype)
@@ -124,14 +121,15 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_num_active_seqs, config.long_prefill_token_threshold)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
+        self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
         self.drafter = None
+        shape = self._drafter_rows if self.processors else None
         if mtp:
-            self.drafter = Drafter(spec, self.blocks, device, model, self.cache)
+            self.drafter = Drafter(spec, self.blocks, device, model, self.cache, shape)
         elif spec is not None:
             draft_cache = LatentCache(draft.cfg.num_layers, slots, draft.cfg, draft.embed.dtype, device,
                                       config.kv_cache_dtype, memory=memory)
-            self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache)
-        self.processors = load_processors(config.logits_processors, ProcessorContext(cfg.vocab_size, device, self.stop_ids))
+            self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache, shape)
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
         # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
         self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
@@ -283,6 +281,9 @@ class Engine:
         token after them; the pending token and the kept drafts are computed now."""
         outs = []
         try:
+            # Row j follows the pending token and j drafts: the operator's processors see those
+            # as generated, and shape the row before the drafts are judged on it.
+            rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
             with stage("speculative decoding"):
                 tokens = accept(rows, seq)
             seq.keep_drafts(0)
@@ -347,12 +348,19 @@ class Engine:
                 drawn.append(fault)
         return drawn
 
-    def _processed(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The rows after the operator's logits processors (on a copy: `rows` are reported)."""
+    def _processed(self, rows: torch.Tensor, seqs: list[Sequence], outputs: list[list[int]] | None = None) -> torch.Tensor:
+        """The rows after the operator's logits processors (on a copy: `rows` are reported);
+        `outputs`: each row's tokens so far, where they are not its sequence's output."""
         if not self.processors:
             return rows
         with stage("logits processors"):
-            return apply_processors(self.processors, rows.clone(), Batch([s.prompt for s in seqs], [s.output for s in seqs]))
+            return apply_processors(self.processors, rows.clone(),
+                                    Batch([s.prompt for s in seqs], outputs or [s.output for s in seqs]))
+
+    def _drafter_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A drafter's logits as the processors shape them before drafts are drawn (as
+        log-probs, the form processors take): a token they ban is never proposed."""
+        return self._processed(logits.float().log_softmax(-1), seqs, [s.output + s.drafts for s in seqs])
 
     @staticmethod
     def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:

@@ -22,15 +22,22 @@ pending token and the k drafts through the target at once (one pass, k+1 rows) a
 The KV of rejected drafts is left where it is: context lengths never reach it, and the
 next tokens overwrite it. Only requests whose logits nothing else changes speculate (no
 grammar, bias, penalties, log-probs); the others decode one token a step beside them.
+The operator's logits processors (--logits-processors) apply to every request, so they
+shape both sides: the drafter's rows before a draft is drawn (`shape`), and each of the
+target's verified rows before the drafts are judged (the engine's), each row seeing the
+drafts before it as generated tokens. A token they ban is never proposed, accepted or
+emitted, and the outputs are those of decoding with the processors alone.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from preload.worker.engine.faults import SequenceFault
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
@@ -133,9 +140,13 @@ class Drafter:
     layer of the target's cache; a draft model reads the tokens and keeps its own cache,
     indexed by the same block tables."""
 
-    def __init__(self, config: SpecConfig, blocks, device: torch.device, model, cache):
-        """`model` and `cache`: the target and its cache (MTP), or the draft model and its own."""
+    def __init__(self, config: SpecConfig, blocks, device: torch.device, model, cache,
+                 shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None):
+        """`model` and `cache`: the target and its cache (MTP), or the draft model and its own.
+        `shape`: the drafter's logits of these sequences as the operator's processors make
+        them (None: no processors); a SequenceFault there stops their drafting for the step."""
         self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
+        self.shape = shape
         self.mtp = config.method == "mtp"
         self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
         self.accepted = 0
@@ -177,6 +188,11 @@ class Drafter:
         last = ends[torch.tensor(picks, device=self.device)]
         x, logits = (x[last] if x is not None else None), logits[last]
         for j in range(self.k):
+            if self.shape is not None:
+                try:
+                    logits = self.shape(logits, seqs)
+                except SequenceFault:  # (their verify or sampling meets the processors again, and fails them)
+                    break
             drafts, qs = draft_tokens(logits, seqs)
             for seq, t, q in zip(seqs, drafts, qs):
                 seq.drafts.append(t)

@@ -78,12 +78,3 @@ def test_a_failing_processor_fails_the_requests_not_the_engine(name):
     with pytest.raises(RuntimeError, match="logits processors failed"):
         llm.generate(PROMPTS[:1], max_tokens=2)
     assert not llm.engine.has_work() and llm.engine.stats().kv_blocks_used == 0
-
-
-def test_processors_with_speculative_decoding_are_refused_at_start():
-    """Drafts and their acceptance test read the model's logits: a banned token would get
-    through them, so the two options are not run together."""
-    with pytest.raises(ValueError, match="--logits-processors and --speculative-config"):
-        LLM(BUNDLED_MODEL, dtype="float32", engine=replace(
-            EngineOptions(kv_cache_memory=32 << 20), logits_processors=(f'{BAN}={{"token_ids": [1]}}',),
-            speculative_config='{"method": "mtp", "num_speculative_tokens": 2}'))

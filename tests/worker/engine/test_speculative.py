@@ -3,7 +3,9 @@ beside the target, or attached from another daemon): greedy outputs are exactly 
 decoding one token a step, with and without prefix-cache hits, whatever the number of
 drafts; sampled outputs keep the target's distribution (checked on the acceptance rule
 itself, many draws, and on the engine's outputs against decoding without drafts); a cache too small for everyone makes the scheduler drop drafts and
-preempt, and every request still finishes with the same answer."""
+preempt, and every request still finishes with the same answer. The operator's logits
+processors shape the drafts and their verification: outputs are those of the processors
+alone, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -225,3 +227,67 @@ def test_a_draft_model_attached_from_another_daemon(plain, small_draft, tmp_path
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(BUNDLED_MODEL, dtype="float32", engine=draft_spec(2, model=str(tiny_checkpoint)))
+
+
+BAN = "preload.worker.engine.logits_processors:BanTokens"
+
+
+class NoRepeat:
+    """Bans each row's last generated token: a processor that reads the tokens so far, which
+    for a verified draft's row are the output and the drafts before it."""
+
+    def __init__(self, context):
+        pass
+
+    def __call__(self, logits, batch):
+        for i, out in enumerate(batch.outputs):
+            if out:
+                logits[i, out[-1]] = float("-inf")
+        return logits
+
+
+def processing(options: EngineOptions, *specs: str) -> EngineOptions:
+    return replace(options, logits_processors=specs)
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_logits_processors_shape_the_drafts_and_their_verification(plain, method):
+    """With processors, speculative decoding gives exactly the greedy output of the
+    processors alone: a banned token is never proposed, accepted or emitted, and a
+    processor reading the tokens so far sees the drafts before a row as generated. A twin
+    draft model (the target itself) then has every draft accepted: its proposals are shaped too."""
+    want = plain.generate(PROMPTS, max_tokens=24, ignore_eos=True)
+    banned = sorted({t for w in want for t in w.token_ids[2:5]})  # tokens the model does pick
+    specs = (f'{BAN}={{"token_ids": {banned}}}', f"{__name__}:NoRepeat")
+    alone = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(BASE, *specs))
+    expected = [a.token_ids for a in alone.generate(PROMPTS, max_tokens=24, ignore_eos=True)]
+    assert expected != [w.token_ids for w in want]  # the processors change the outputs
+    spec = mtp(2) if method == "mtp" else draft_spec(2, model=BUNDLED_MODEL)
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(spec, *specs))
+    got = [g.token_ids for g in llm.generate(PROMPTS, max_tokens=24, ignore_eos=True)]
+    assert got == expected
+    assert all(not set(g) & set(banned) and all(a != b for a, b in zip(g, g[1:])) for g in got)
+    s = llm.engine.stats()
+    assert 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+    if method == "draft_model":
+        assert s.spec_accepted_tokens == s.spec_draft_tokens
+
+
+def test_sampled_outputs_with_processors_keep_their_distribution_with_drafts(plain):
+    """As the end-to-end test above, with a processor banning the token the model likes most
+    at the second position: with 2 MTP drafts a step and without, the same distribution at
+    each position (chi-square at 1e-4), and the banned token never drawn."""
+    torch.manual_seed(1)
+    prompt = [5, 6, 7, 8]
+    banned = plain.generate([prompt], max_tokens=2, ignore_eos=True)[0].token_ids[1:]
+    prompts, kw = [prompt] * 600, dict(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
+    spec = f'{BAN}={{"token_ids": {banned}}}'
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(mtp(2, max_num_seqs=256), spec))
+    drafted = llm.generate(prompts, **kw)
+    alone = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(replace(BASE, max_num_seqs=256), spec)).generate(prompts, **kw)
+    for pos in (1, 2, 3):
+        p = two_sample_p_value([o.token_ids[pos] for o in drafted], [o.token_ids[pos] for o in alone])
+        assert p > 1e-4, (pos, p)
+    assert all(banned[0] not in o.token_ids for o in drafted + alone)
+    s = llm.engine.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
