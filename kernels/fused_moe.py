@@ -222,7 +222,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     pairs = t * top_k
     num_experts, inner = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[:2]
     block_m = block_rows(pairs, num_experts)
-    if block_m == 128 and supported(gate, block_m):  # a prefill's thousands of pairs: operands by TMA
+    if block_m == 128 and supported(gate, up, down, block_m):  # a prefill's thousands of pairs: operands by TMA
         return moe_prefill(x, ids, weights, gate, up, down, align_by_expert_triton(ids, num_experts, block_m), block_m)
     if isinstance(gate, Fp8Weight):  # (e4m3's prefill tiles: 64 rows, tile_config)
         block_m = min(block_m, 64)

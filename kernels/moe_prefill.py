@@ -133,12 +133,21 @@ def tile_config(fp8: bool, swiglu: bool) -> dict:
     return {"BLOCK_N": 128 if swiglu else 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
-def supported(gate: Weight, block_m: int) -> bool:
-    """Whether these experts' prefill runs here: blocks of 64 or 128 rows, and bf16 or
-    e4m3 with DeepSeek's 128 x 128 scale blocks (other scales: fused_moe's kernel)."""
+def supported(gate: Weight, up: Weight, down: Weight, block_m: int) -> bool:
+    """Whether these experts' prefill runs here: blocks of 64 or 128 rows; bf16, or e4m3
+    with DeepSeek's 128 x 128 scale blocks (other scales: fused_moe's kernel); matrices
+    that TMA can read (16-byte aligned, rows contiguous, every other stride a multiple of
+    16 bytes: any arena's, whose entries lie 256 bytes apart, ipc/layout.py)."""
     if block_m not in (64, 128):
         return False
-    return not isinstance(gate, Fp8Weight) or scale_block(gate) == (128, 128)
+    if isinstance(gate, Fp8Weight) and scale_block(gate) != (128, 128):
+        return False
+    return all(_tma_readable(w.q if isinstance(w, Fp8Weight) else w) for w in (gate, up, down))
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
 def _weight_parts(w: Weight, block_n: int, block_k: int):

@@ -34,7 +34,7 @@ def test_moe_prefill_equals_the_expert_loop(quant):
     x = torch.randn(tokens, d, generator=gen).to(torch.bfloat16).to(DEVICE)
     weights, ids = routed(tokens, num, top_k, gen)
     gate, up, down = (stack_experts([e[i] for e in ws]) for i in range(3))
-    assert supported(gate, block_m)
+    assert supported(gate, up, down, block_m)
     in_float = [tuple(dense(m, torch.float32).float() for m in e) for e in ws]  # the reference: dequantized, fp32
     want = moe_experts(x.float(), ids, weights, [lambda v, e=e: swiglu(v, *e) for e in in_float])
     got = moe_prefill(x, ids, weights, gate, up, down, align_by_expert_triton(ids, num, block_m), block_m)
@@ -43,11 +43,14 @@ def test_moe_prefill_equals_the_expert_loop(quant):
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
 
 
-def test_per_tensor_scales_and_small_blocks_are_left_to_fused_moe():
+def test_per_tensor_scales_small_blocks_and_unaligned_rows_are_left_to_fused_moe():
     gen = torch.Generator().manual_seed(2)
     per_tensor = stack_experts([e[0] for e in experts(2, 128, 128, "fp8_per_tensor", gen)])
     bf16 = stack_experts([e[0] for e in experts(2, 128, 128, "none", gen)])
-    assert not supported(per_tensor, 64) and not supported(bf16, 32) and supported(bf16, 128)
+    odd = torch.zeros(2, 8, 130, dtype=torch.bfloat16, device=DEVICE)[:, :, :127]  # rows 260 bytes apart
+    assert not supported(per_tensor, per_tensor, per_tensor, 64)
+    assert not supported(bf16, bf16, bf16, 32) and supported(bf16, bf16, bf16, 128)
+    assert not supported(bf16, bf16, odd, 128)
 
 
 def test_gathered_rows_are_the_pairs_tokens_and_padding_is_zero():
