@@ -10,7 +10,9 @@ token drawn, before any sequence decodes: `prefill`) and the decode (the remaini
 output_len - 1 steps, every sequence in each) are timed apart; decode tok/s is
 batch * (output_len - 1) / decode seconds. With drafts (speculative decoding: the MTP
 layer's, or with `draft_model` a small model's of the same vocabulary) a "step" is a verify
-pass: ms/step is per pass, tok/s counts tokens.
+pass: ms/step is per pass, tok/s counts tokens; beside the same case without drafts, its
+step's time ratio, the speedup measured, and the speedups that ratio allows at acceptances
+0.5 / 0.7 / 0.9 (`add_speedups`).
 
 The limit: a decode step must read every weight it uses once (dense layers, attention,
 shared experts, the output head, and the routed experts that the batch's tokens touch,
@@ -292,12 +294,38 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    add_speedups(result["runs"])
     if transformers and dev.type == "cuda":
         for batch in [b for b in batches if b <= 16]:
             progress(f"transformers: batch {batch}, context {first_context}")
             result["transformers"].append(run_transformers(model, str(dev), batch, first_context, output_len,
                                                            cfg.vocab_size))
     return finish(result, t0)
+
+
+ACCEPTANCES = (0.5, 0.7, 0.9)  # per-draft acceptance rates the speedups are also given at
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a sequence's verify step emits on average with k drafts, each accepted with
+    probability `acceptance` until the first refusal, the target's own token included:
+    1 + a + ... + a^k."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def add_speedups(runs: list[dict]) -> None:
+    """Beside each run with drafts, against the run without of the same quant, batch and
+    context (if measured): its step's time over that one's (`step_ratio`), the speedup
+    measured (tok/s over tok/s, at the acceptance it met), and the speedups the step ratio
+    gives at ACCEPTANCES (expected tokens a step over the step ratio): what the drafts'
+    cost allows whatever the drafter's quality on these random prompts."""
+    plain = {(r["quant"], r["batch"], r["context"]): r for r in runs if not r["speculative_tokens"]}
+    for r in runs:
+        base = plain.get((r["quant"], r["batch"], r["context"]))
+        if r["speculative_tokens"] and base is not None:
+            r["step_ratio"] = r["ms_per_step"] / base["ms_per_step"]
+            r["speedup"] = r["output_tok_s"] / base["output_tok_s"]
+            r["speedup_at"] = {str(a): expected_tokens(r["speculative_tokens"], a) / r["step_ratio"] for a in ACCEPTANCES}
 
 
 def format_table(result: dict) -> str:
@@ -308,17 +336,21 @@ def format_table(result: dict) -> str:
              f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
              + (f" steps launched ahead {'on' if result['async_scheduling'] else 'off'};" if "async_scheduling" in result else "")
              + ("" if drafter == "mtp" else f" drafts by {drafter};") + f" {result['wall_s']:.0f} s", ""]
-    head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "prefill tok/s", "prefill s")
-    widths = (14, 6, 8, 6, 10, 8, 6, 8, 13, 9)
+    head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "step x", "speedup",
+            "at " + "/".join(f"{a:g}" for a in ACCEPTANCES), "prefill tok/s", "prefill s")
+    widths = (14, 6, 8, 6, 10, 8, 6, 8, 6, 7, 16, 13, 9)
     lines.append(row(head, widths))
     for r in result["runs"]:
-        rate = r.get("acceptance_rate")
+        rate, at = r.get("acceptance_rate"), r.get("speedup_at")
         lines.append(row((r["quant"], r.get("speculative_tokens", 0), r["context"], r["batch"], f"{r['output_tok_s']:.1f}",
                           f"{r['ms_per_step']:.2f}", f"{r['hbm_percent']:.1f}", "-" if rate is None else f"{100 * rate:.0f}%",
+                          f"{r['step_ratio']:.2f}" if "step_ratio" in r else "-",
+                          f"{r['speedup']:.2f}" if "speedup" in r else "-",
+                          "/".join(f"{v:.2f}" for v in at.values()) if at else "-",
                           f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}"), widths))
     for r in result["transformers"]:
         lines.append(row(("transformers", "-", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-", "-",
-                          f"{r['total_s']:.2f}"), widths))
+                          "-", "-", "-", f"{r['total_s']:.2f}"), widths))
     for p in result.get("profiles", []):
         lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"
                       f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"

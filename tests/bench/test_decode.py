@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from preload.bench.decode import format_table, run_decode
+from preload.bench.decode import expected_tokens, format_table, run_decode
 from preload.options import BUNDLED_MODEL
 
 DRAFT = Path(BUNDLED_MODEL).parent / "tiny-v3-draft"
@@ -20,6 +20,18 @@ def test_decode_with_a_draft_model_counts_what_it_drafts_and_what_is_accepted():
     assert drafted["speculative_tokens"] == 2 and 0 <= drafted["acceptance_rate"] <= 1
     assert all(r["output_tok_s"] > 0 for r in result["runs"]) and result["drafter"] == str(DRAFT)
     assert f"drafts by {DRAFT}" in format_table(result)
+    # against the plain run: the step's time ratio, the speedup measured and those it allows
+    assert drafted["step_ratio"] == drafted["ms_per_step"] / plain["ms_per_step"]
+    assert drafted["speedup"] == drafted["output_tok_s"] / plain["output_tok_s"]
+    at = drafted["speedup_at"]
+    assert list(at) == ["0.5", "0.7", "0.9"] and at["0.5"] < at["0.7"] < at["0.9"]
+    assert at["0.7"] == expected_tokens(2, 0.7) / drafted["step_ratio"]
+    assert "step_ratio" not in plain and f"{drafted['speedup']:.2f}" in format_table(result)
+
+
+def test_expected_tokens_of_a_verify_step():
+    assert expected_tokens(0, 0.7) == 1 and expected_tokens(2, 0.5) == 1.75
+    assert abs(expected_tokens(3, 0.9) - (1 + 0.9 + 0.81 + 0.729)) < 1e-12
 
 
 def test_every_timed_decode_step_carries_the_whole_batch():
