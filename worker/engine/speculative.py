@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from preload.worker.engine.faults import SequenceFault
+from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
@@ -144,7 +144,8 @@ class Drafter:
                  shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None):
         """`model` and `cache`: the target and its cache (MTP), or the draft model and its own.
         `shape`: the drafter's logits of these sequences as the operator's processors make
-        them (None: no processors); a SequenceFault there stops their drafting for the step."""
+        them (None: no processors). A failure there or in drawing stops their drafting for
+        the step; it is theirs alone (their sampling meets it again), never the engine's."""
         self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
         self.shape = shape
         self.mtp = config.method == "mtp"
@@ -188,12 +189,12 @@ class Drafter:
         last = ends[torch.tensor(picks, device=self.device)]
         x, logits = (x[last] if x is not None else None), logits[last]
         for j in range(self.k):
-            if self.shape is not None:
-                try:
-                    logits = self.shape(logits, seqs)
-                except SequenceFault:  # (their verify or sampling meets the processors again, and fails them)
-                    break
-            drafts, qs = draft_tokens(logits, seqs)
+            try:
+                with stage("speculative decoding"):
+                    rows = self.shape(logits, seqs) if self.shape is not None else logits
+                    drafts, qs = draft_tokens(rows, seqs)
+            except SequenceFault:  # (a processor failed, or left a row nothing to draw: their sampling meets it again)
+                break
             for seq, t, q in zip(seqs, drafts, qs):
                 seq.drafts.append(t)
                 seq.draft_probs.append(q)

@@ -291,3 +291,25 @@ def test_sampled_outputs_with_processors_keep_their_distribution_with_drafts(pla
     assert all(banned[0] not in o.token_ids for o in drafted + alone)
     s = llm.engine.stats()
     assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+
+
+class BanAll:
+    """Leaves no token to draw from."""
+
+    def __init__(self, context):
+        pass
+
+    def __call__(self, logits, batch):
+        return torch.full_like(logits, float("-inf"))
+
+
+def test_a_processor_leaving_nothing_to_draw_stops_the_drafts_not_the_engine():
+    """The drafter draws from the processed rows: where nothing can be drawn (a sampled
+    request's distribution of no tokens) it drafts nothing for the step, and the requests
+    come out as with the processor alone (whose sampler then picks token 0)."""
+    kw = dict(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    alone = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(BASE, f"{__name__}:BanAll")).generate(PROMPTS[:2], **kw)
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=processing(mtp(2), f"{__name__}:BanAll"))
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], **kw)] == [a.token_ids for a in alone]
+    s = llm.engine.stats()
+    assert s.spec_draft_tokens == 0 and not llm.engine.has_work() and s.kv_blocks_used == 0
