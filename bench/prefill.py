@@ -267,6 +267,21 @@ def build_engine(model: Path | None, shape: str | None, quant: str, device: torc
     return Engine(Transformer(cfg, weights), tokenizer, options, device), cfg
 
 
+def prefill_engine(model: Path | None, shape: str | None, quant: str, dev: torch.device, cases: list[Case],
+                   prompts: list[int], max_num_batched_tokens: int, graphs: bool):
+    """(engine, config) with a cache for the largest of `cases` and `prompts`, its prompt
+    steps replayed from graphs where `graphs` (on a GPU) as a worker's are."""
+    cfg = model_config(model, shape)
+    options = EngineOptions(max_num_seqs=1024, enforce_eager=True, enable_prefix_caching=False,
+                            max_num_batched_tokens=max_num_batched_tokens)
+    slots = max([c.cache_tokens(options.block_size) for c in cases] + [n + options.block_size for n in prompts])
+    options = replace(options, kv_cache_memory=slots * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16))
+    engine, cfg = build_engine(model, shape, quant, dev, options)
+    if graphs and dev.type == "cuda":  # (the engine is built eager: the decode steps here are few)
+        engine.prompt_graphs = PromptGraphs(engine.model, max_num_batched_tokens, dev)
+    return engine, cfg
+
+
 def run_prefill(model: Path | None, shape: str | None, device: str, quants: list[str], cases: list[Case],
                 prompts: list[int], max_num_batched_tokens: int, repeat: int, progress: Callable[[str], None],
                 profile_times: int = 3, graphs: bool = True) -> dict:
@@ -282,15 +297,8 @@ def run_prefill(model: Path | None, shape: str | None, device: str, quants: list
     result["matmul_flop_s"] = rate
     for quant in quants:
         progress(f"{quant}: building the engine")
-        cfg = model_config(model, shape)
-        options = EngineOptions(max_num_seqs=1024, enforce_eager=True, enable_prefix_caching=False,
-                                max_num_batched_tokens=max_num_batched_tokens)
-        slots = max([c.cache_tokens(options.block_size) for c in cases] + [n + options.block_size for n in prompts])
-        options = replace(options, kv_cache_memory=slots * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16))
         t = time.perf_counter()
-        engine, cfg = build_engine(model, shape, quant, dev, options)
-        if graphs and dev.type == "cuda":  # (the engine is built eager: the decode steps here are few)
-            engine.prompt_graphs = PromptGraphs(engine.model, max_num_batched_tokens, dev)
+        engine, cfg = prefill_engine(model, shape, quant, dev, cases, prompts, max_num_batched_tokens, graphs)
         result.setdefault("engine_start_s", {})[quant] = time.perf_counter() - t
         for case in cases:
             progress(f"{quant}: step {case.label}")

@@ -10,29 +10,17 @@ A probe, not product.
 import json
 import sys
 import time
-from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from preload.bench.prefill import Case, Step, build_engine, sync
-from preload.options import EngineOptions
-from preload.worker.engine.prompt_graphs import PromptGraphs
-from preload.worker.model.kv_cache import bytes_per_token
+from preload.bench.prefill import Case, Step, prefill_engine, sync
 
 
 def main(labels: list[str]) -> dict:
     dev = torch.device("cuda")
     cases = [Case.parse(c) for c in labels]
-    options = EngineOptions(max_num_seqs=1024, enforce_eager=True, enable_prefix_caching=False,
-                            max_num_batched_tokens=2048)
-    from preload.bench.prefill import model_config
-
-    cfg = model_config(None, "v2-lite")
-    slots = max(c.cache_tokens(options.block_size) for c in cases)
-    options = replace(options, kv_cache_memory=slots * bytes_per_token(cfg, cfg.num_layers, torch.bfloat16))
-    engine, cfg = build_engine(None, "v2-lite", "none", dev, options)
-    engine.prompt_graphs = PromptGraphs(engine.model, 2048, dev)
+    engine, cfg = prefill_engine(None, "v2-lite", "none", dev, cases, [], 2048, graphs=True)
     out = {}
     for case in cases:
         step = Step(engine, case, cfg.vocab_size, seed=1)
