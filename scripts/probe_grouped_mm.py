@@ -214,6 +214,9 @@ def gate_cases():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--gate"]:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "gate": gate_cases()}, indent=1))
+        sys.exit()
     if sys.argv[1:] == ["--decode"]:
         print(json.dumps({"device": torch.cuda.get_device_name(), "decode": decode_cases(), "gate": gate_cases()}, indent=1))
         sys.exit()

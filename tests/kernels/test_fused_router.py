@@ -152,13 +152,16 @@ def test_an_impossible_configuration_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 64, 512, 2048])
 @pytest.mark.parametrize("config, d", [("v2-lite", 2048), ("v2", 5120), ("v3", 7168)])
-def test_real_shapes_on_the_gpu(config, d, tokens):
+def test_real_shapes_on_the_gpu(config, d, tokens, gate_dtype):
+    """(A float32 gate, as checkpoints keep it, takes three TF32 products: as IEEE float32
+    to the routes and within 1e-5 of its weights.)"""
     experts, *routing = CONFIGS[config]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, d, generator=gen).to(torch.bfloat16).cuda()
-    gate = (torch.randn(experts, d, generator=gen) * d**-0.5).to(torch.bfloat16).cuda()
+    gate = (torch.randn(experts, d, generator=gen) * d**-0.5).to(gate_dtype).cuda()
     bias = (torch.randn(experts, generator=gen) * 0.1).cuda() if routing[3] == "sigmoid" else None
     logits = F.linear(x.float(), gate.float())
     decided = margin(logits, bias, *routing[:5]) > 1e-4
