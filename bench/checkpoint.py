@@ -227,6 +227,22 @@ V3_LAYER = {
     "tie_word_embeddings": False,
 }
 
+# A small model of V3's vocabulary and settings (hidden 1024, 8 heads, 2 layers, 16
+# experts of width 512; ~0.6 GB bf16, most of it the embedding and the head): a draft
+# model for v3-slice (`preload bench decode --draft-model`).
+V3_DRAFT = V3_LAYER | {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 384,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_nextn_predict_layers": 0,
+}
+
 # The V2-Lite family's settings at toy sizes: what the benchmarks run on when the bundled
 # model has not been trained into the package.
 TINY = V2_LITE_MINI | {
@@ -252,6 +268,7 @@ SHAPES = {
     "v2-lite": lambda moe_layers: V2_LITE_MINI | V2_LITE_CONTEXT | {"num_hidden_layers": 27, "n_routed_experts": 64},
     "v2-lite-mini": lambda moe_layers: V2_LITE_MINI,
     "v3-slice": lambda moe_layers: V3_LAYER | {"num_hidden_layers": 1 + moe_layers},
+    "v3-draft": lambda moe_layers: V3_DRAFT,
 }
 
 

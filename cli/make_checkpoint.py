@@ -10,9 +10,10 @@ from preload.options import parse_size
 
 
 @click.command("make-checkpoint")
-@click.option("--shape", type=click.Choice(["v2-lite", "v2-lite-mini", "v3-slice"]), required=True,
+@click.option("--shape", type=click.Choice(["v2-lite", "v2-lite-mini", "v3-slice", "v3-draft"]), required=True,
               help="v2-lite: DeepSeek-V2-Lite (27 layers, 64 experts, ~31 GB bf16); v2-lite-mini: its shapes cut to "
-                   "2 layers and 8 experts (~1.2 GB); v3-slice: DeepSeek-V3's layer shapes, 1 dense + --moe-layers MoE.")
+                   "2 layers and 8 experts (~1.2 GB); v3-slice: DeepSeek-V3's layer shapes, 1 dense + --moe-layers MoE "
+                   "(and the MTP layer); v3-draft: a 2-layer model of V3's vocabulary (~0.6 GB), a draft for v3-slice.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--moe-layers", type=click.IntRange(1, 3), default=1, show_default=True, help="MoE layers of v3-slice.")
 @click.option("--shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
