@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
-from preload.kernels.quant import Fp8Weight, Weight, scale_block
+from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
 
 GATHER_ROWS = 32  # rows a gathering program copies
@@ -142,7 +142,7 @@ def supported(gate: Weight, up: Weight, down: Weight, block_m: int) -> bool:
         return False
     if isinstance(gate, Fp8Weight) and scale_block(gate) != (128, 128):
         return False
-    return all(_tma_readable(w.q if isinstance(w, Fp8Weight) else w) for w in (gate, up, down))
+    return all(_tma_readable(kernel_parts(w)[0]) for w in (gate, up, down))
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
