@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COMMANDS = {
     "bench": ("preload.cli.bench", "bench", "Benchmarks: print a table, write JSON."),
     "demo": ("preload.cli.demo", "demo", "Show the product on the bundled model."),
+    "kernels": ("preload.cli.kernels", "kernels", "The workers' kernel cache; compile it ahead from kernel lists."),
     "make-checkpoint": ("preload.cli.make_checkpoint", "make_checkpoint", "Write a random checkpoint with real models' shapes."),
     "restart": ("preload.cli.daemon", "restart", "Replace the daemon's workers (rolling, or --now)."),
     "serve": ("preload.cli.serve", "serve", "Serve the OpenAI-compatible API from the daemon's weights."),

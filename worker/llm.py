@@ -14,6 +14,7 @@ from preload.checkpoint.identity import IdentityError, verify_checkpoint
 from preload.checkpoint.reader import load_checkpoint, resolve_dtype
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.devices import resolve_device_name
+from preload.kernels import ahead
 from preload.ipc.kv_memory import KvMemory
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
@@ -73,6 +74,8 @@ class LLM:
             raise ValueError("LLM needs a model directory or a daemon's state_dir")
         else:
             weights = self._load(Path(model), quant or "none", device or "auto", dtype)
+        if self.device.type == "cuda":  # (so that another host's first start compiles them ahead: kernels/ahead.py)
+            ahead.record()
         self.leader = leader  # rank 0 of a group of processes (tensor_group.py): its engines' steps are the group's
         ranks = leader.ranks if leader is not None else ranks
         if leader is not None and self.device.type == "cuda":

@@ -72,6 +72,41 @@ def test_it_installs_the_way_the_makefile_does(dockerfile, root):
     assert install.endswith("/opt/preload/bin/pip install --no-cache-dir /src/preload"), install
 
 
+def test_the_image_compiles_the_kernels_of_a_list_given_at_build_where_its_workers_look(dockerfile, tmp_path):
+    """With --build-arg KERNEL_LIST=FILE the build runs `preload kernels compile` on that
+    file of the context, as the image's user (after USER), into that user's kernel cache
+    (~/.cache/preload/kernels, which the workers read); without it, nothing. The build
+    step's shell is run here as Docker would run it (the context mounted at /src/preload)."""
+    pytest.importorskip("triton")
+    from kernel_specs import rms_norm_spec
+
+    from preload.kernels import ahead
+
+    instructions = [i for i, _ in dockerfile]
+    (step,) = [(n, a) for n, (i, a) in enumerate(dockerfile) if i == "RUN" and "preload kernels compile" in a]
+    assert step[0] > max(n for n, i in enumerate(instructions) if i == "USER"), "compiled as root: the workers' cache"
+    assert any(i == "ARG" and a.startswith("KERNEL_LIST=") for i, a in dockerfile[:step[0]])
+    mount, script = re.fullmatch(r"(--mount=type=bind,target=(\S+)) (.*)", step[1]).group(2, 3)
+    context, home, bin_dir = tmp_path / "context", tmp_path / "home", tmp_path / "bin"
+    for d in (context, home, bin_dir):
+        d.mkdir(mode=0o700)
+    spec = rms_norm_spec(True, 512)[0]
+    (context / "kernels.json").write_text(json.dumps({"kernels": {ahead.entry_digest(spec): spec}}))
+    (bin_dir / "preload").write_text(f"#!/bin/sh\nexec {sys.executable} -m preload.cli.main \"$@\"\n")
+    (bin_dir / "preload").chmod(0o700)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": ":".join(sys.path)}
+    script = script.replace(mount, str(context))
+    for kernel_list in ("", "kernels.json"):
+        r = subprocess.run(["sh", "-c", script], env=env | {"KERNEL_LIST": kernel_list}, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+        cache = home / ".cache" / "preload" / "kernels"
+        if not kernel_list:
+            assert not cache.exists()
+    assert "compiled 1 of 1" in r.stdout and len(list(cache.glob("*/*.cubin"))) == 1
+    assert list(ahead.read_list(ahead.list_path(cache)).values()) == [spec]
+
+
 def test_the_entrypoint_starts_the_daemon_in_the_foreground(dockerfile, start_flags):
     """`docker run IMAGE` runs `preload start --foreground` as PID 1 (its log on stderr,
     SIGTERM drains), with options `preload start` has, reachable from outside the

@@ -1,0 +1,267 @@
+"""Kernels compiled ahead: the list of Triton kernels a worker compiled, kept in the
+kernel cache beside them, and compiled again from it where the kernels themselves are
+missing (a new host, a new image, a cache emptied by an upgrade), in parallel and
+without a GPU.
+
+A worker's first start on a host with an empty kernel cache compiles every kernel its
+warm-up meets, one after another (V2-Lite on the H200: ready in 17.9 s, 8.3 s with the
+cache full). What the JIT compiles is decided by a few hundred bytes per kernel, which
+Triton writes as JSON for its hooks ("specialization data": the kernel's module and name,
+argument types, constexprs, alignment attributes, options, target). So:
+
+- `record(cache_dir)`: in a worker, every kernel the JIT meets for the first time that
+  the list does not hold yet is added to `preload-kernels.json` in the cache (under a
+  lock, so workers sharing a cache add to one list). A start whose kernels are all listed
+  writes nothing.
+- `compile_list(entries)`: processes forked from this one (the kernel modules imported
+  once, before the fork) compile their share into the kernel cache, as the JIT would at
+  a first launch: the same cache key, so the JIT then finds them. No GPU is needed, only
+  the target each entry names: `preload kernels compile` runs it in an image build or an
+  init container, from a list a GPU host recorded.
+
+Only kernels of this package are compiled from a list (it names modules to import): a
+list is data, never a way to run someone's code. An entry that does not compile (a
+kernel changed since it was recorded) fails alone; the JIT compiles what it needs then.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import hashlib
+import importlib
+import json
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LIST_NAME = "preload-kernels.json"
+PACKAGE = __name__.rpartition(".")[0]  # preload.kernels: the only modules a list may name
+MAX_ENTRIES = 4096  # the oldest go first past it (a host that served many models and options)
+
+
+def list_path(cache_dir: str | os.PathLike) -> Path:
+    return Path(cache_dir, LIST_NAME)
+
+
+def read_list(path: str | os.PathLike) -> dict[str, str]:
+    """The entries of a kernel list, {digest: specialization JSON}; {} where there is none.
+    ValueError for a file that is not one."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    try:
+        doc = json.loads(text)
+        kernels = doc["kernels"]
+        if not isinstance(kernels, dict) or not all(isinstance(v, str) for v in kernels.values()):
+            raise TypeError("'kernels' is not a map of JSON strings")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a kernel list: {e}") from None
+    return kernels
+
+
+def entry_digest(spec: str) -> str:
+    return hashlib.sha256(spec.encode()).hexdigest()[:24]
+
+
+class Recorder:
+    """Adds each kernel the JIT compiles in this process to the cache's list (install())."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.path = list_path(cache_dir)
+        try:
+            self.known = set(read_list(self.path))
+        except ValueError as e:
+            log.warning("%s; written anew", e)
+            self.known = set()
+        self.added = 0
+        self._target: dict | None = None
+        self._before = None
+
+    def install(self) -> Recorder:
+        from triton import knobs
+
+        self._before = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self.hook
+        return self
+
+    def uninstall(self) -> None:
+        from triton import knobs
+
+        if knobs.runtime.jit_cache_hook == self.hook:
+            knobs.runtime.jit_cache_hook = self._before
+
+    def hook(self, *, compile: dict, **kwargs) -> bool:
+        """Triton's jit_cache_hook: called before the JIT compiles (or finds on disk) a kernel
+        this process has not launched yet. Never skips the compile (unless a hook installed
+        before this one says so)."""
+        spec = compile.get("specialization_data")
+        if spec is not None:
+            try:
+                self.add(self.with_target(spec))
+            except Exception as e:  # noqa: BLE001 (a list not written costs a later start time, never this launch)
+                log.warning("kernel list %s not updated: %s", self.path, e)
+        return bool(self._before(compile=compile, **kwargs)) if self._before else False
+
+    def with_target(self, spec: str) -> str:
+        """The spec naming its target (Triton 3.6 leaves it out: this process's GPU's)."""
+        d = json.loads(spec)
+        if d.get("target"):
+            return spec
+        if self._target is None:
+            from triton.runtime import driver
+
+            t = driver.active.get_current_target()
+            self._target = {"backend": t.backend, "arch": t.arch, "warp_size": t.warp_size}
+        return json.dumps(d | {"target": self._target})
+
+    def add(self, spec: str) -> None:
+        digest = entry_digest(spec)
+        if digest in self.known:
+            return
+        self.known.add(digest)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (workers sharing the cache: none loses another's entries)
+            kernels = read_list(self.path) if self.path.exists() else {}
+            kernels.pop(digest, None)
+            kernels[digest] = spec
+            write_list(self.path, dict(list(kernels.items())[-MAX_ENTRIES:]))
+        self.added += 1
+
+
+def write_list(path: Path, kernels: dict[str, str]) -> None:
+    """Written whole to a temporary file renamed over the old: a reader sees one or the other."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"kernels": kernels}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+_recording: Recorder | None = None
+
+
+def record(cache_dir: str | os.PathLike | None = None) -> Recorder | None:
+    """Record this process's kernels into the list in `cache_dir` (default: Triton's kernel
+    cache, TRITON_CACHE_DIR); once per process. None where Triton is absent."""
+    global _recording
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    path = list_path(cache_dir or knobs.cache.dir)
+    if _recording is None or _recording.path != path:
+        if _recording is not None:
+            _recording.uninstall()
+        _recording = Recorder(path.parent).install()
+    return _recording
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernels: int  # entries handed out
+    failed: dict[str, str]  # {spec: "name: why"} for each entry that did not compile
+    processes: int
+    seconds: float
+
+
+def compile_list(specs: list[str], processes: int | None = None) -> Compiled:
+    """Compile `specs` (specialization JSONs naming their targets) into the kernel cache
+    (TRITON_CACHE_DIR as this process has it) in `processes` forked processes (default:
+    the CPUs this one may use). Those already in the cache are found there, quickly."""
+    t0 = time.monotonic()
+    if not specs:
+        return Compiled(0, {}, 0, 0.0)
+    refused = {s: f"{name_of(s)}: not a kernel of {PACKAGE}" for s in specs if not ours(s)}
+    specs = [s for s in specs if ours(s)]
+    processes = max(1, min(len(specs), processes or len(os.sched_getaffinity(0))))
+    for module in sorted({name_of(s).rpartition(".")[0] for s in specs}):
+        try:  # (once, here: the forked processes start with them imported)
+            importlib.import_module(module)
+        except ImportError:
+            pass  # (each of its entries fails alone, saying so)
+    failed = dict(refused)
+    context = multiprocessing.get_context("fork")  # (no CUDA here: compiling needs none)
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        futures = [pool.submit(compile_share, specs[part::processes]) for part in range(processes)]
+        for part, future in enumerate(futures):
+            try:
+                failed |= future.result()
+            except Exception as e:  # noqa: BLE001 (a process that died: its share left to the JIT)
+                failed |= {s: f"{name_of(s)}: {type(e).__name__}: {e}" for s in specs[part::processes]}
+    done = Compiled(len(specs) + len(refused), failed, processes, time.monotonic() - t0)
+    log.info("compiled %d kernels in %d processes in %.2f s (%d failed)", done.kernels, processes, done.seconds,
+             len(failed))
+    return done
+
+
+def name_of(spec: str) -> str:
+    try:
+        return str(json.loads(spec)["name"])
+    except (ValueError, KeyError, TypeError):
+        return "(not a specialization)"
+
+
+def ours(spec: str) -> bool:
+    return name_of(spec).startswith(PACKAGE + ".")
+
+
+def compile_share(specs: list[str]) -> dict[str, str]:
+    """In a forked process: compile each spec; {spec: "name: why"} for those that failed."""
+    failed = {}
+    for spec in specs:
+        try:
+            compile_spec(spec)
+        except Exception as e:  # noqa: BLE001 (the JIT compiles it at its first launch, and says a real fault)
+            failed[spec] = f"{name_of(spec)}: {type(e).__name__}: {e}"[:500]
+    return failed
+
+
+def compile_spec(spec: str) -> None:
+    """Compile one specialization JSON into the kernel cache as the JIT would at the
+    kernel's first launch (the same source, signature, constexprs, attributes, options
+    and target: the same cache key)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    d = json.loads(spec)
+    if not d.get("target"):
+        raise ValueError("no target named")
+    module, _, name = d["name"].rpartition(".")
+    fn = getattr(importlib.import_module(module), name)
+    while isinstance(fn, (Autotuner, Heuristics)):  # (the JIT function they wrap)
+        fn = fn.fn
+
+    def value(v):
+        if isinstance(v, str) and tl.dtype.is_dtype(v):
+            return tl.dtype(v)
+        if isinstance(v, dict) and "constexpr" in v:
+            return tl.constexpr(tupled(v["constexpr"]))
+        if isinstance(v, dict):
+            raise ValueError(f"a constexpr of another kind ({v}) is not compiled ahead")
+        return tupled(v)
+
+    constexprs = {tuple(k): value(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+    signature = {k: tupled(v) for k, v in d["signature"].items()}
+    options = {k: tupled(v) for k, v in d["options"].items()}
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(**d["target"]), options=options)
+
+
+def tupled(v):
+    """JSON's lists as the tuples they were (a kernel's signature takes no lists)."""
+    return tuple(tupled(x) for x in v) if isinstance(v, list) else v

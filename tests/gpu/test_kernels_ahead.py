@@ -1,0 +1,54 @@
+"""A worker's kernels, recorded on the GPU and compiled into an empty cache by `preload
+kernels compile` without a GPU, are every kernel a fresh start then needs: its JIT
+compiles nothing (kernels/ahead.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from preload.kernels import ahead
+
+pytestmark = pytest.mark.gpu
+
+GENERATE = """
+import json
+from preload import BUNDLED_MODEL, LLM
+llm = LLM(BUNDLED_MODEL, device="cuda")
+out = llm.generate([[5, 6, 7, 8], list(range(2, 40)), list(range(3, 300))], max_tokens=12)
+print(json.dumps([c.token_ids for c in out]))
+"""
+
+
+def run(code: str, cache: Path, **env) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache)} | env
+    r = subprocess.run([sys.executable, *code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def kernels_in(cache: Path) -> set[str]:
+    """The cache's compiled kernels (a dir with a cubin each; launchers and the driver's
+    helpers are apart)."""
+    return {p.parent.name for p in cache.glob("*/*.cubin")}
+
+
+def test_kernels_compiled_ahead_without_a_gpu_are_all_a_fresh_start_compiles(tmp_path):
+    first = run(["-c", GENERATE], tmp_path / "recorded")
+    listed = ahead.read_list(ahead.list_path(tmp_path / "recorded"))
+    assert len(listed) >= 10 and len(kernels_in(tmp_path / "recorded")) >= len(listed) // 2
+
+    fresh = tmp_path / "fresh"
+    done = run(["-m", "preload.cli.main", "kernels", "compile", str(ahead.list_path(tmp_path / "recorded"))],
+               fresh, CUDA_VISIBLE_DEVICES="")
+    assert f"compiled {len(listed)} of {len(listed)}" in done.stdout, done.stdout + done.stderr
+    ahead_of_time = kernels_in(fresh)
+    assert ahead_of_time == kernels_in(tmp_path / "recorded")
+
+    again = run(["-c", GENERATE], fresh)
+    assert json.loads(again.stdout) == json.loads(first.stdout)
+    assert kernels_in(fresh) == ahead_of_time  # (the JIT found every one: none compiled again)
+    assert ahead.read_list(ahead.list_path(fresh)) == listed

@@ -1,0 +1,156 @@
+"""Kernels compiled ahead (kernels/ahead.py): a worker's kernels recorded in a list beside
+the kernel cache (once each, workers sharing a cache adding to one list), and a list
+compiled into a cache in forked processes without a GPU, under the key the JIT looks for:
+a launch then compiles nothing. An entry that cannot compile fails alone; a list naming a
+module outside preload.kernels is refused (a list is data, not code to run). The hook on
+a real GPU launch is tested in tests/gpu/test_kernels_ahead.py."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from kernel_specs import CASES, rms_norm_spec  # noqa: E402
+
+from preload.kernels import ahead  # noqa: E402
+
+JIT_AGAIN = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from kernel_specs import CASES, H100, rms_norm_spec
+import triton
+t0 = time.monotonic()
+for add, block in CASES:
+    _, src, options = rms_norm_spec(add, block)
+    triton.compile(src, target=H100, options=options.__dict__)
+print(time.monotonic() - t0)
+"""
+
+
+COMPILE = """
+import json, sys
+from preload.kernels import ahead
+specs = json.load(sys.stdin)
+done = ahead.compile_list(specs, processes=int(sys.argv[1]))
+print(json.dumps([done.kernels, {specs.index(s): why for s, why in done.failed.items()}, done.processes]))
+"""
+
+
+def compile_list(specs: list[str], processes: int) -> tuple[int, dict[int, str], int]:
+    """ahead.compile_list in a process of its own, as `preload kernels compile` runs it: the
+    kernel modules imported for real (the tests import them under Triton's interpreter)."""
+    r = subprocess.run([sys.executable, "-c", COMPILE, str(processes)], input=json.dumps(specs), capture_output=True,
+                       text=True, timeout=300, env=os.environ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kernels, failed, processes = json.loads(r.stdout)
+    return kernels, {int(i): why for i, why in failed.items()}, processes
+
+
+def compiled_in(cache: Path) -> set[str]:
+    return {p.name for p in cache.iterdir() if p.is_dir()}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (compiled for real, as on a GPU host)
+    (tmp_path / "kernels").mkdir()
+    return tmp_path / "kernels"
+
+
+def test_a_list_compiled_ahead_is_what_the_jit_then_finds(cache):
+    assert compile_list([rms_norm_spec(add, block)[0] for add, block in CASES], processes=2) == (3, {}, 2)
+    compiled = compiled_in(cache)
+    assert len(compiled) == 3
+    # The JIT's own path to the cache (its arguments as objects, not JSON), in another
+    # process: a hit for each, nothing compiled again.
+    r = subprocess.run([sys.executable, "-c", JIT_AGAIN], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert compiled_in(cache) == compiled and float(r.stdout) < 1.0, r.stdout
+
+
+def test_an_entry_that_cannot_compile_fails_alone_and_foreign_modules_are_refused(cache):
+    good, _, _ = rms_norm_spec(False, 1024)
+    missing = json.dumps(json.loads(good) | {"name": "preload.kernels.fused_norm._no_such_kernel"})
+    foreign = json.dumps(json.loads(good) | {"name": "os.system"})
+    untargeted = json.dumps(json.loads(good) | {"target": None, "options": {"num_warps": 8}})
+    kernels, failed, _ = compile_list([missing, foreign, good, untargeted], processes=2)
+    assert kernels == 4 and set(failed) == {0, 1, 3}
+    assert "_no_such_kernel" in failed[0] and "not a kernel of preload.kernels" in failed[1] and "no target" in failed[3]
+    assert len(compiled_in(cache)) == 1
+
+
+def hook_call(recorder: ahead.Recorder, spec: str) -> bool:
+    """Triton's call of a jit_cache_hook (keyword arguments; runtime/jit.py _call_hook)."""
+    return recorder.hook(key="k", repr="r", fn=None, compile={"key": "k", "specialization_data": spec},
+                         is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_worker_records_each_kernel_once_and_a_start_with_all_listed_writes_nothing(tmp_path):
+    specs = [rms_norm_spec(add, block)[0] for add, block in CASES]
+    recorder = ahead.Recorder(tmp_path)
+    assert [hook_call(recorder, s) for s in specs + specs[:1]] == [False] * 4  # (never skips the compile)
+    assert recorder.added == 3 and sorted(ahead.read_list(ahead.list_path(tmp_path)).values()) == sorted(specs)
+    before = ahead.list_path(tmp_path).stat().st_mtime_ns
+    again = ahead.Recorder(tmp_path)  # (the next start, on the same cache)
+    for s in specs:
+        hook_call(again, s)
+    assert again.added == 0 and ahead.list_path(tmp_path).stat().st_mtime_ns == before
+
+
+def test_a_spec_without_a_target_is_recorded_with_this_gpus(tmp_path):
+    spec = json.dumps(json.loads(rms_norm_spec(True, 512)[0]) | {"target": None})  # (Triton 3.6 leaves it out)
+    recorder = ahead.Recorder(tmp_path)
+    recorder._target = {"backend": "cuda", "arch": 90, "warp_size": 32}  # (what the driver says on an H100/H200)
+    hook_call(recorder, spec)
+    (listed,) = ahead.read_list(ahead.list_path(tmp_path)).values()
+    assert json.loads(listed)["target"] == {"backend": "cuda", "arch": 90, "warp_size": 32}
+
+
+def _record_in_another_process(cache: str, spec: str) -> None:
+    hook_call(ahead.Recorder(cache), spec)
+
+
+def test_workers_sharing_a_cache_add_to_one_list(tmp_path):
+    specs = [json.dumps(json.loads(rms_norm_spec(True, 512)[0]) | {"key": f"k{i}"}) for i in range(24)]
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_in_another_process, args=(str(tmp_path), s)) for s in specs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert sorted(ahead.read_list(ahead.list_path(tmp_path)).values()) == sorted(specs)
+
+
+def test_the_hook_installed_before_still_decides(tmp_path, monkeypatch):
+    from triton import knobs
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["key"]) or True)
+    recorder = ahead.Recorder(tmp_path).install()
+    try:
+        assert knobs.runtime.jit_cache_hook == recorder.hook
+        assert hook_call(recorder, rms_norm_spec(True, 512)[0]) is True and seen == ["k"]
+    finally:
+        recorder.uninstall()
+    assert knobs.runtime.jit_cache_hook is not recorder.hook
+
+
+def test_a_damaged_list_is_said_and_written_anew(tmp_path, caplog):
+    ahead.list_path(tmp_path).write_text("{not json")
+    with pytest.raises(ValueError, match="is not a kernel list"):
+        ahead.read_list(ahead.list_path(tmp_path))
+    recorder = ahead.Recorder(tmp_path)
+    assert "not a kernel list" in caplog.text
+    ahead.list_path(tmp_path).unlink()
+    hook_call(recorder, rms_norm_spec(True, 512)[0])
+    assert len(ahead.read_list(ahead.list_path(tmp_path))) == 1
