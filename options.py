@@ -184,6 +184,7 @@ class ServeOptions:
     # How many engines share the device's KV space (the daemon's --workers and --spare-workers).
     workers: int = option(1, cli=False)
     spares: int = option(0, cli=False)
+    dp_rank: int = option(0, cli=False)  # which of the daemon's copies of the weights (--data-parallel-size) it maps
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,10 @@ class DaemonOptions:
 
     model: Path | None = option(None, "Checkpoint dir [default: the bundled model].")
     quant: str = option("none", "How the stored weights are quantized.", choices=QUANT_MODES)
-    device: str = option("auto", "auto, cpu or cuda:N.")
+    device: str = option("auto", "auto, cpu or cuda:N (with --data-parallel-size: the first of consecutive GPUs).")
+    data_parallel_size: int = option(
+        1, "Copies of the weights, one per GPU (cuda:N, N+1, ...), each with its own --workers and --spare-workers"
+        " behind the one API port (on the CPU: copies in host memory).", bounds=(1, 16))
     dtype: str = option("auto", "Dtype of unquantized weights: bf16 on CUDA, the checkpoint's on CPU.",
                         choices=("auto", *DTYPES))
     transport: str = option("auto", "How workers map the arena: memfd (host memory), cuda-vmm (GPU, read-only maps;"
@@ -202,10 +206,11 @@ class DaemonOptions:
     health_port: int = option(8001, "Port of /health, /status and /metrics.", bounds=(0, 65535))
     allow_uid: tuple[int, ...] = option((), "Also let this uid attach (repeatable).")
     allow_gid: tuple[int, ...] = option((), "Also let members of this gid attach (repeatable).")
-    workers: int = option(1, "Engine workers to run and supervise (0: hold the weights only).", bounds=(0, 64))
+    workers: int = option(
+        1, "Engine workers to run and supervise, on each copy of the weights (0: hold the weights only).", bounds=(0, 64))
     spare_workers: int | None = option(
-        None, "Warm spare workers that take over a dead worker's slot at once [default: 1 on a GPU, 0 on CPU].",
-        bounds=(0, 8))
+        None, "Warm spare workers that take over a dead worker's slot at once, beside each copy of the weights"
+        " [default: 1 on a GPU, 0 on CPU].", bounds=(0, 8))
     host: str = option("127.0.0.1", "API host of the workers.")
     port: int = option(8000, "API port, owned by the daemon.", bounds=(0, 65535))
     keeper: bool = option(True, "Keep the weights and the API socket in a small keeper process, so that a daemon"

@@ -61,20 +61,25 @@ def status(state_dir, as_json):
                    f" GiB read ({100 * p.get('fraction', 0):.0f}%), {p.get('tensors_done', 0)} of {p.get('tensors_total', 0)} tensors")
         return
     gib = sum(s["bytes_per_device"].values()) / 2**30
-    click.echo(f"{s['state']}: {s['model']} ({s['quant']}, {s['dtype']}) on {s['device']} via {s['transport']}")
-    click.echo(f"  {gib:.3f} GiB resident, fingerprint {s['fingerprint']}")
+    copies = s.get("data_parallel") or []
+    on = ", ".join(c["device"] for c in copies) if len(copies) > 1 else s["device"]
+    click.echo(f"{s['state']}: {s['model']} ({s['quant']}, {s['dtype']}) on {on} via {s['transport']}")
+    click.echo(f"  {gib:.3f} GiB resident" + (f" in {len(copies)} copies (data-parallel ranks)" if len(copies) > 1 else "")
+               + f", fingerprint {s['fingerprint']}")
     click.echo(f"  pid {s['pid']}, up {s['uptime_s']:.0f} s, loaded in {s['load_seconds']:.2f} s, attached: {s['attached_workers'] or 'none'}")
     ports = f"API port {s['port']}, " if s.get("port") else ""
     click.echo(f"  {ports}health port {s.get('health_port')}")
     for w in s["workers"]:
-        click.echo(f"  worker {w['slot']}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
+        rank = f" (rank {w['dp_rank']})" if len(copies) > 1 else ""
+        click.echo(f"  worker {w['slot']}{rank}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "
                    f"KV cache {w['kv_cache_bytes'] / 2**30:.2f} GiB, {w['restarts']} restarts, last exit: {w['last_exit'] or '-'}")
         f = w.get("front")
         if f:  # (its HTTP front: outlives the slot's engine cores)
             click.echo(f"    front: {f['state']}, pid {f['pid']}, up {f['uptime_s']:.0f} s, {f['restarts']} restarts,"
                        f" last exit: {f['last_exit'] or '-'}")
     for w in s["spares"]:
-        click.echo(f"  spare: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
+        rank = f" (rank {w['dp_rank']})" if len(copies) > 1 else ""
+        click.echo(f"  spare{rank}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s")
 
 
 def _stop_leftovers(state_dir, timeout: float, killed: int | None = None) -> None:

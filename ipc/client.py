@@ -43,9 +43,11 @@ class DaemonClient:
         deadline = time.monotonic() + timeout
         return self._until(deadline, lambda: self._ask(op, fields, deadline), f"answer {op!r}", timeout)
 
-    def arena_fds(self) -> tuple[ArenaInfo, list[int]]:
+    def arena_fds(self, dp_rank: int = 0) -> tuple[ArenaInfo, list[int]]:
+        """The fds of the daemon's arena for data-parallel rank `dp_rank` (its copy of the weights)."""
         deadline = time.monotonic() + self.timeout
-        reply, fds = self._until(deadline, lambda: self._exchange(fd_socket_path(self.state_dir), {"op": "fds"},
+        msg = {"op": "fds", "dp_rank": dp_rank} if dp_rank else {"op": "fds"}
+        reply, fds = self._until(deadline, lambda: self._exchange(fd_socket_path(self.state_dir), msg,
                                                                    deadline, keep=False), "hand out the arena's fds",
                                  self.timeout)
         try:

@@ -47,6 +47,18 @@ def resolve_device_name(device: str) -> str:
     return device
 
 
+def data_parallel_devices(device: str, size: int) -> list[str]:
+    """The device of each data-parallel rank: `device` alone for one; for more, consecutive
+    GPUs from `device`'s (cuda:N, N+1, ...), or the CPU for each."""
+    if size == 1 or device == "cpu":
+        return [device] * size
+    first, count = ordinal(device), cuda_device_count()
+    if first + size > count:
+        raise ValueError(f"--data-parallel-size {size} from {device} needs GPUs {first} to {first + size - 1}: CUDA"
+                         f" shows this process {count}")
+    return [f"cuda:{first + k}" for k in range(size)]
+
+
 def ordinal(device: str) -> int:
     """cuda:N -> N; "cuda" is cuda:0, the first GPU CUDA shows this process."""
     return int(device.partition(":")[2] or 0)

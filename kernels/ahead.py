@@ -34,9 +34,11 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -211,6 +213,98 @@ def name_of(spec: str) -> str:
         return str(json.loads(spec)["name"])
     except (ValueError, KeyError, TypeError):
         return "(not a specialization)"
+
+
+def compiled_marker(cache_dir: str | os.PathLike, specs: list[str]) -> Path:
+    """A file in the cache whose existence says these specs were compiled into it, by this
+    Triton and these kernel sources (a list changed, an upgrade: another name)."""
+    import triton
+
+    h = hashlib.sha256(f"{triton.__version__}\n".encode())
+    for spec in sorted(specs):
+        h.update(spec.encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(source.read_bytes())
+    return Path(cache_dir, f"preload-compiled-{h.hexdigest()[:24]}")
+
+
+def fork_compiles(specs: list[str], processes: int) -> list[int]:
+    """Compile `specs` into the kernel cache in `processes` children forked now (without
+    an executor's threads: for a process that forks workers, the zygote), each its share;
+    a child exits 1 if any of its share failed (said on stderr). Their pids."""
+    pids = []
+    for part in range(max(1, min(processes, len(specs)))):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                failed = compile_share(specs[part::processes])
+                for why in failed.values():
+                    print(f"kernel not compiled ahead: {why}", file=sys.stderr)
+                code = int(bool(failed))
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    return pids
+
+
+def wait_compiles(pids: list[int], timeout: float) -> bool:
+    """Wait up to `timeout` seconds for the children of fork_compiles; True if every one
+    exited 0 in time. Those still running then are killed (the JIT compiles what they had
+    left) and reaped: none is left behind."""
+    deadline, ok = time.monotonic() + timeout, True
+    for pid in pids:
+        while not (reaped := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not reaped[0]:
+            os.kill(pid, signal.SIGKILL)
+            reaped = os.waitpid(pid, 0)
+        ok = ok and os.waitstatus_to_exitcode(reaped[1]) == 0  # (a killed one: -9)
+    return ok
+
+
+@dataclass
+class Compiling:
+    """Kernels being compiled ahead by forked children (compile_listed)."""
+
+    pids: list[int]
+    marker: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def finish(self, timeout: float) -> bool:
+        """Wait for them (up to `timeout` seconds from their start); mark the cache done if
+        all compiled; say how it went on stderr (a zygote's log)."""
+        done = wait_compiles(self.pids, max(0.0, self.started + timeout - time.monotonic()))
+        if done:
+            self.marker.touch()
+        print(f"kernels compiled ahead in {len(self.pids)} processes in {time.monotonic() - self.started:.2f} s"
+              + ("" if done else " (not all: the JIT compiles the rest)"), file=sys.stderr)
+        return done
+
+
+def compile_listed() -> Compiling | None:
+    """The kernels the cache's own list names, compiled now in children forked from this
+    process (one per CPU it may use), unless the cache has them all already (its marker
+    for this list, Triton and these sources). For a zygote on a host whose kernel cache is
+    empty or outdated (a new Triton, changed kernels) but whose list came along (an
+    image, a volume, an earlier version's start): they compile in parallel while the
+    daemon loads, not one after another in the first worker's warm-up. None: nothing to do."""
+    from triton import knobs
+
+    from preload.kernels import triton_import_steps
+
+    try:
+        specs = list(read_list(list_path(knobs.cache.dir)).values())
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return None
+    marker = compiled_marker(knobs.cache.dir, specs) if specs else None
+    if marker is None or marker.exists():
+        return None
+    for step in triton_import_steps():  # (the children start with the kernel modules imported)
+        step()
+    return Compiling(fork_compiles(specs, len(os.sched_getaffinity(0))), marker)
 
 
 def ours(spec: str) -> bool:

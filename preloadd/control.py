@@ -113,7 +113,7 @@ class ControlServer:
         state_dir: Path,
         policy: PeerPolicy,
         handle: Handler,
-        fds: Callable[[], tuple[dict, list[int]]],
+        fds: Callable[[int], tuple[dict, list[int]]],
         on_error: Callable[[], None],
     ):
         self.state_dir, self.policy, self.handle, self.fds, self.on_error = state_dir, policy, handle, fds, on_error
@@ -251,8 +251,8 @@ class ControlServer:
             self._answer(conn, {"ok": False, "error": str(e)}, close=True)
             return
         try:
-            handle, fds = self.fds()
-        except ProtocolError as e:  # (no weights held now: asleep)
+            handle, fds = self.fds(msg.get("dp_rank", 0))
+        except ProtocolError as e:  # (no weights held now: asleep; no such data-parallel rank)
             self._answer(conn, {"ok": False, "error": str(e)}, close=True)
             return
         data = frame({"ok": True, "arena": handle})

@@ -23,7 +23,7 @@ import psutil
 from preload.checkpoint.config import ModelConfig, weights_dtype
 from preload.checkpoint.identity import changed_on_disk
 from preload.ipc.arena import HeldArena, default_transport
-from preload.ipc.devices import gpu_uuid, memory_info, resolve_device_name
+from preload.ipc.devices import data_parallel_devices, gpu_uuid, memory_info, resolve_device_name
 from preload.ipc.protocol import ProtocolError, fd_socket_path
 from preload.ipc.sockets import listen
 from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
@@ -45,6 +45,7 @@ from preload.preloadd.state_dir import (
     prepare_state_dir,
     write_private_json,
 )
+from preload.preloadd.status import daemon_status
 from preload.preloadd.supervisor import Supervisor
 from preload.preloadd.weights import Loaded, LoadError, Progress, kept_manifest
 from preload.preloadd.zygote import Zygote
@@ -63,19 +64,21 @@ class Resolved:
     taking weights back from a keeper)."""
 
     model: Path
-    device: str  # "cpu", "cuda" or "cuda:N", as torch prints it
+    device: str  # "cpu", "cuda" or "cuda:N", as torch prints it: data-parallel rank 0's
     dtype: str  # of the weights before quantization: "bfloat16", ...
     transport: str
-    spares: int
+    spares: int  # a rank's
+    devices: tuple[str, ...]  # each data-parallel rank's (--data-parallel-size): a copy of the weights on each
 
     @classmethod
     def of(cls, o: DaemonOptions) -> Resolved:
         model = Path(o.model or BUNDLED_MODEL).absolute()
-        device = resolve_device_name(o.device)
+        devices = tuple(data_parallel_devices(resolve_device_name(o.device), o.data_parallel_size))
+        device = devices[0]
         dtype = weights_dtype(None if o.dtype == "auto" else o.dtype, device.partition(":")[0], ModelConfig.from_dir(model))
         transport = default_transport(device) if o.transport == "auto" else o.transport
         spares = o.spare_workers if o.spare_workers is not None else int(device != "cpu" and o.workers > 0)
-        return cls(model, device, dtype, transport, spares)
+        return cls(model, device, dtype, transport, spares, devices)
 
 
 def last_line(path: Path) -> str:
@@ -94,8 +97,7 @@ class Daemon:
         self.state = "starting"
         self.error: str | None = None
         self.progress = Progress()
-        self.loaded: Loaded | None = None
-        self.manifest_wire: dict | None = None
+        self.copies: list[Loaded] = []  # the weights, a copy per data-parallel rank ([] before the load, asleep)
         self.clients: dict[int, float] = {}  # attached pid -> since; the control thread and HTTP threads share it
         self._clients_lock = threading.Lock()
         self.started = time.time()
@@ -118,13 +120,13 @@ class Daemon:
         if op == "status":
             return {"status": self.status()}
         if op == "hello":
+            copy = self.weights(msg.get("dp_rank", 0))
             with self._clients_lock:
                 self.clients[pid] = time.time()
             self.metrics.attaches.inc()
-            return {"fingerprint": self.weights().manifest.fingerprint, "pid": os.getpid()}
+            return {"fingerprint": copy.manifest.fingerprint, "pid": os.getpid()}
         if op == "manifest":
-            self.weights()  # (none while asleep at level 2: said so)
-            return {"manifest": self.manifest_wire}
+            return {"manifest": self.weights(msg.get("dp_rank", 0)).manifest.to_wire()}
         if op == "release":
             with self._clients_lock:
                 self.clients.pop(pid, None)
@@ -147,37 +149,43 @@ class Daemon:
     def _changed_on_disk(self) -> list[str]:
         """The checkpoint's files that changed since the load (a restart keeps the weights
         loaded: said, not done silently; a new start would load the files as they are)."""
-        aux, touched = changed_on_disk(self.r.model, self.loaded.manifest.record)
+        manifest = self.weights().manifest
+        aux, touched = changed_on_disk(self.r.model, manifest.record)
         if aux or touched:
             log.warning("restart: the checkpoint changed on disk since the load (%s); the workers restart on the weights"
-                        " loaded (fingerprint %s)", ", ".join(aux + touched), self.loaded.manifest.fingerprint)
+                        " loaded (fingerprint %s)", ", ".join(aux + touched), manifest.fingerprint)
         return aux + touched
 
-    def room_for(self, kv_cache_bytes: int) -> bool:
-        """Whether one more KV cache of this size fits on the device within the
+    def room_for(self, kv_cache_bytes: int, dp_rank: int = 0) -> bool:
+        """Whether one more KV cache of this size fits on the rank's device within the
         utilization the workers were given (host memory is not budgeted)."""
-        if self.r.device == "cpu":
+        device = self.r.devices[dp_rank]
+        if device == "cpu":
             return True
-        free, total = memory_info(self.r.device)  # (the driver's answer: this daemon may never import torch)
+        free, total = memory_info(device)  # (the driver's answer: this daemon may never import torch)
         return free - kv_cache_bytes >= (1 - self.opts.worker.engine.gpu_memory_utilization) * total
 
-    def arena_fds(self) -> tuple[dict, list[int]]:
-        loaded = self.weights()
-        return loaded.arena.info().to_wire(), loaded.arena.fds()
+    def arena_fds(self, dp_rank: int = 0) -> tuple[dict, list[int]]:
+        copy = self.weights(dp_rank)
+        return copy.arena.info().to_wire(), copy.arena.fds()
 
-    def weights(self) -> Loaded:
-        """The weights held, for a client to attach; ProtocolError (its reply) while none are."""
-        if self.loaded is None:
+    def weights(self, dp_rank: int = 0) -> Loaded:
+        """Rank `dp_rank`'s copy of the weights, for a client to attach; ProtocolError (its
+        reply) while none are held, or for a rank this daemon does not have."""
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < len(self.r.devices):
+            raise ProtocolError(f"dp_rank {dp_rank!r}: this daemon holds ranks 0 to {len(self.r.devices) - 1}")
+        if not self.copies:
             raise ProtocolError(f"the daemon holds no weights now ({self.state}): they come back with `preload wake`")
-        return self.loaded
+        return self.copies[dp_rank]
 
     def let_weights_go(self) -> None:
-        """Sleep level 2: the keeper's hold and the arena go (no core maps it now): the memory is freed."""
+        """Sleep level 2: the keeper's hold and the arenas go (no core maps them now): the memory is freed."""
         if self.keeper is not None:
             self.keeper.release()
             self.keeper = None
-        self.loaded.arena.close()
-        self.loaded = None
+        for copy in self.copies:
+            copy.arena.close()
+        self.copies = []
         log.info("weights let go")
 
     def load_again(self) -> None:
@@ -198,34 +206,7 @@ class Daemon:
         return alive
 
     def status(self) -> dict:
-        o, r = self.opts, self.r
-        sup = self.supervisor.status() if self.supervisor else {}
-        return {
-            "state": self.state,
-            "error": self.error,
-            "pid": os.getpid(),
-            "model": str(r.model),
-            "quant": o.quant,
-            "dtype": r.dtype,
-            "device": r.device,
-            "transport": r.transport,
-            "state_dir": str(o.state_dir),
-            "bytes_per_device": {r.device: self.loaded.arena.size if self.loaded else 0},
-            "fingerprint": self.loaded.manifest.fingerprint if self.loaded else None,
-            "readopted": self.readopted,
-            "keeper_pid": self.keeper.pid if self.keeper and not self.keeper.empty else None,
-            "attached_workers": self.attached(),
-            "uptime_s": round(time.time() - self.started, 3),
-            "load_seconds": self.progress.seconds,
-            "progress": self.progress.as_dict(),
-            "errors": self.errors,
-            "sleep": self.sleeper.status(),
-            "workers": sup.get("workers", []),
-            "spares": sup.get("spares", []),
-            "zygote_restarts": sup.get("zygote_restarts", 0),
-            "health_port": self.ports.get("health"),
-            "port": self.ports.get("api"),
-        }
+        return daemon_status(self)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -235,10 +216,10 @@ class Daemon:
         policy = PeerPolicy(set(o.allow_uid), set(o.allow_gid))
         prepare_state_dir(o.state_dir, policy.others_allowed)
         lock = PidLock(o.state_dir / "daemon.lock", f"state dir {o.state_dir}")
-        gpu_lock = http = api = None
+        gpu_locks, http, api = [], None, None
         try:
-            if r.device != "cpu":
-                gpu_lock = device_lock(r.device, gpu_uuid(r.device))
+            for device in dict.fromkeys(d for d in r.devices if d != "cpu"):
+                gpu_locks.append(device_lock(device, gpu_uuid(device)))
             for stale in (o.state_dir / "control.sock", fd_socket_path(o.state_dir)):
                 stale.unlink(missing_ok=True)  # left by a daemon that was killed; we hold the lock now
             kept = self._take_kept()  # what a keeper of a dead daemon of this state dir holds
@@ -276,7 +257,8 @@ class Daemon:
                 self.metrics.read_workers(metrics_dir, vllm_names=o.worker.vllm_metrics)
                 serve = ServeOptions(state_dir=o.state_dir, host=o.host, port=o.port, worker=o.worker,
                                      workers=o.workers, spares=r.spares)
-                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu")
+                self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu",
+                                             len(r.devices))
                 self.supervisor.prepare()  # the zygote imports while we load
             if kept is None and self._keeps():  # our own keeper: its interpreter starts beside the load
                 self.keeper = KeeperLink.spawn(o.state_dir)
@@ -287,7 +269,7 @@ class Daemon:
             self._keep(api)
             self.control = ControlServer(o.state_dir, policy, self.handle, self.arena_fds, self._on_error)
             if self.supervisor:
-                self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.loaded.manifest.fingerprint,
+                self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.copies[0].manifest.fingerprint,
                                                list(api.getsockname()[:2]), orphan_slots(o.state_dir),
                                                orphan_slots(o.state_dir, "front")))
                 why = self.supervisor.wait_started(o.worker_start_timeout)
@@ -301,12 +283,13 @@ class Daemon:
             if self.keeper:
                 self.keeper.wait_kept()
             self.state = "ready"
-            fp = self.loaded.manifest.fingerprint
-            log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds, self.loaded.arena.size, fp)
+            fp = self.copies[0].manifest.fingerprint
+            log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds,
+                     sum(copy.arena.size for copy in self.copies), fp)
             notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
-                    "workers": o.workers, "port": self.ports["api"], "health_port": self.ports["health"]})
+                    "workers": o.workers * len(r.devices), "port": self.ports["api"], "health_port": self.ports["health"]})
             systemd.notify(READY="1", MAINPID=str(os.getpid()),
-                           STATUS=f"ready: {o.workers} worker{'s' if o.workers != 1 else ''} on port {self.ports['api']}, fingerprint {fp}")
+                           STATUS=f"ready: {len(r.devices) * o.workers} worker(s) on port {self.ports['api']}, fingerprint {fp}")
             while not self.stop_requested.is_set():
                 self.sleeper.poke.wait(0.5)
                 self.sleeper.poke.clear()
@@ -322,14 +305,14 @@ class Daemon:
                 api.close()
             if self.control:
                 self.control.close()
-            if self.loaded:
-                self.loaded.arena.close()
+            for copy in self.copies:
+                copy.arena.close()
             if self.keeper:
                 self.keeper.release()  # a clean stop: the weights go
             if http:
                 http.close()
                 (o.state_dir / DAEMON_FILE).unlink(missing_ok=True)
-            if gpu_lock:
+            for gpu_lock in gpu_locks:
                 gpu_lock.release()
             lock.release()
 
@@ -338,7 +321,7 @@ class Daemon:
         if self._keeps():
             self.keeper = self.keeper or KeeperLink.spawn(self.opts.state_dir)
             if self.keeper.empty:
-                self.keeper.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
+                self.keeper.give(self._kept(api))
 
     def _watch_keeper(self, api) -> None:
         """A keeper that died (killed, crashed) is replaced at once: a new one is given the
@@ -352,10 +335,13 @@ class Daemon:
         k.forget()
         self.keeper = None  # (/status names a keeper once it holds them)
         new = KeeperLink.spawn(self.opts.state_dir)
-        new.give(Kept(self.manifest_wire, self.loaded.arena.fds(), api))
+        new.give(self._kept(api))
         new.wait_kept()
         self.keeper = new
         log.info("a new keeper (pid %d) holds the weights and the API socket", new.pid)
+
+    def _kept(self, api) -> Kept:
+        return Kept([c.manifest.to_wire() for c in self.copies], [c.arena.fds() for c in self.copies], api)
 
     def _keeps(self) -> bool:
         """Whether a keeper holds the weights through a crash (cuda-ipc handles die with us)."""
@@ -410,50 +396,76 @@ class Daemon:
 
         if found is not None:  # the keeper's weights proved not ours: not planned before
             copying = copy_plan(r.model, o.quant, r.dtype, r.transport, r.device)
-        loaded = None
+        copies, seconds = [], 0.0
+        try:
+            for k, device in enumerate(r.devices):  # (one after another: each later one reads the page cache)
+                if k:
+                    self.progress = Progress()
+                    copying = copying and copy_plan(r.model, o.quant, r.dtype, r.transport, device)
+                    log.info("loading the copy of data-parallel rank %d on %s", k, device)
+                copies.append(self._load_copy(device, copying, on_progress))
+                seconds += self.progress.seconds
+        except BaseException:
+            for copy in copies:
+                copy.arena.close()  # (no half-made set of copies left behind)
+            raise
+        self.progress.seconds = seconds
+        self._loaded(copies)
+
+    def _load_copy(self, device: str, copying: CopyPlan | None, on_progress) -> Loaded:
+        o, r = self.opts, self.r
         if copying is not None:
-            loaded = load_copied(r.model, o.quant, r.dtype, r.device, r.transport, self.progress, on_progress, copying)
-        if loaded is None:  # quantized or converted: the loader that computes, with torch
-            import torch
+            loaded = load_copied(r.model, o.quant, r.dtype, device, r.transport, self.progress, on_progress, copying)
+            if loaded is not None:
+                return loaded
+        import torch  # quantized or converted: the loader that computes, with torch
 
-            from preload.preloadd.loader import load
+        from preload.preloadd.loader import load
 
-            loaded = load(r.model, o.quant, getattr(torch, r.dtype), torch.device(r.device), r.transport, self.progress,
-                          on_progress)
-        self._loaded(loaded)
+        return load(r.model, o.quant, getattr(torch, r.dtype), torch.device(device), r.transport, self.progress,
+                    on_progress)
 
     def _readopt(self, link: KeeperLink, kept: Kept) -> bool:
         """Own the weights a keeper held through a crash, if they are what we would load
         (else release them first: never two copies); True if we do."""
         o, r = self.opts, self.r
         try:
-            manifest = kept_manifest(kept.manifest, r.model, o.quant, r.dtype, r.device, r.transport)
-            arena = HeldArena(manifest.arena, kept.arena_fds)
+            if len(kept.manifests) != len(r.devices):
+                raise ValueError(f"{len(kept.manifests)} copies, not one for each of {len(r.devices)} data-parallel ranks")
+            manifests = [kept_manifest(wire, r.model, o.quant, r.dtype, device, r.transport)
+                         for wire, device in zip(kept.manifests, r.devices)]
         except (LoadError, ValueError) as e:
             log.warning("the keeper (pid %d) holds other weights: %s; letting them go and loading", link.pid, e)
             link.release()
             kept.close()
             return False
+        copies = [Loaded(HeldArena(m.arena, fds), m) for m, fds in zip(manifests, kept.arena_fds)]
         kept.arena_fds = []
         p = self.progress
-        p.total_bytes = p.done_bytes = arena.size
-        p.tensors_total = p.tensors_done = len(manifest.layout.name)
+        p.total_bytes = p.done_bytes = sum(copy.arena.size for copy in copies)
+        p.tensors_total = p.tensors_done = sum(len(m.layout.name) for m in manifests)
         p.seconds = time.monotonic() - p.started
-        self._loaded(Loaded(arena, manifest))
+        self._loaded(copies)
         self.readopted = True
         if o.keeper:
             self.keeper = link  # it goes on holding, for the next crash
         else:
             link.release()  # we hold our own fds now
         log.info("took back %d bytes of weights from the keeper (pid %d) in %.3f s, without reading the checkpoint",
-                 arena.size, link.pid, p.seconds)
+                 p.total_bytes, link.pid, p.seconds)
         return True
 
-    def _loaded(self, loaded: Loaded) -> None:
-        self.loaded = loaded
-        self.manifest_wire = loaded.manifest.to_wire()
+    def _loaded(self, copies: list[Loaded]) -> None:
+        self.copies = copies
         self.metrics.load_seconds.set(self.progress.seconds)
-        self.metrics.resident_bytes.labels(self.r.device).set(loaded.arena.size)
+        for device, size in self._bytes_per_device().items():
+            self.metrics.resident_bytes.labels(device).set(size)
+
+    def _bytes_per_device(self) -> dict[str, int]:
+        sizes = dict.fromkeys(self.r.devices, 0)
+        for device, copy in zip(self.r.devices, self.copies):
+            sizes[device] += copy.arena.size
+        return sizes
 
     def _on_error(self) -> None:
         self.errors += 1

@@ -36,18 +36,20 @@ log = logging.getLogger("preload.keeper")
 
 KEEPER_SOCK = "keeper.sock"
 HANDOVER_TIMEOUT = 10.0  # seconds for either side of a handover to answer
+SCM_MAX_FD = 253  # Linux's most fds in one message: every copy's arena fds and the API socket
 
 
 @dataclass
 class Kept:
-    """What a keeper holds: the manifest (wire form), the arena's fds, the API socket."""
+    """What a keeper holds: each copy's manifest (wire form) and arena fds (one copy a
+    data-parallel rank, --data-parallel-size), the API socket."""
 
-    manifest: dict
-    arena_fds: list[int]
+    manifests: list[dict]
+    arena_fds: list[list[int]]
     api: socket.socket | None
 
     def close(self) -> None:
-        for fd in self.arena_fds:
+        for fd in [fd for fds in self.arena_fds for fd in fds]:
             os.close(fd)
         self.arena_fds = []
         if self.api is not None:
@@ -56,19 +58,25 @@ class Kept:
 
 
 def _send(sock: socket.socket, kept: Kept, **msg) -> None:
-    fds = kept.arena_fds + ([kept.api.fileno()] if kept.api is not None else [])
-    send_with_fds(sock, {**msg, "manifest": kept.manifest, "arena_fds": len(kept.arena_fds), "api": kept.api is not None},
-                  fds)
+    fds = [fd for copy in kept.arena_fds for fd in copy] + ([kept.api.fileno()] if kept.api is not None else [])
+    send_with_fds(sock, {**msg, "manifests": kept.manifests, "arena_fds": [len(copy) for copy in kept.arena_fds],
+                         "api": kept.api is not None}, fds)
 
 
 def _receive(sock: socket.socket) -> Kept:
-    msg, fds = recv_with_fds(sock)
-    n = msg.get("arena_fds")
-    if not isinstance(n, int) or not isinstance(msg.get("manifest"), dict) or len(fds) != n + bool(msg.get("api")):
+    msg, fds = recv_with_fds(sock, max_fds=SCM_MAX_FD)
+    if isinstance(msg.get("manifest"), dict) and isinstance(msg.get("arena_fds"), int):  # (a keeper of one copy, as
+        msg = msg | {"manifests": [msg["manifest"]], "arena_fds": [msg["arena_fds"]]}  # before data parallelism)
+    counts, manifests = msg.get("arena_fds"), msg.get("manifests")
+    if (not isinstance(counts, list) or not all(isinstance(n, int) and n >= 0 for n in counts)
+            or not isinstance(manifests, list) or len(manifests) != len(counts)
+            or not all(isinstance(m, dict) for m in manifests) or len(fds) != sum(counts) + bool(msg.get("api"))):
         for fd in fds:
             os.close(fd)
         raise ProtocolError(f"malformed handover: {msg.get('error') or sorted(msg)}")
-    return Kept(msg["manifest"], fds[:n], socket.socket(fileno=fds[n]) if msg["api"] else None)
+    starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    return Kept(manifests, [fds[a:b] for a, b in zip(starts, starts[1:])],
+                socket.socket(fileno=fds[starts[-1]]) if msg["api"] else None)
 
 
 # ---- the daemon's side ---------------------------------------------------------------------------
@@ -280,7 +288,8 @@ def main(argv: list[str]) -> int:
     except (OSError, ProtocolError) as e:
         log.error("no weights handed over: %s", e)
         return 1
-    log.info("holding %d arena fds%s for %s", len(kept.arena_fds), " and the API socket" if kept.api else "", state_dir)
+    log.info("holding %d arena fds of %d copies%s for %s", sum(map(len, kept.arena_fds)), len(kept.arena_fds),
+             " and the API socket" if kept.api else "", state_dir)
     _serve(state_dir, owner, kept)
     return 0
 

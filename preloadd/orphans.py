@@ -123,9 +123,11 @@ class Adoption:
             pid = None
         return pid is not None
 
-    def verdict(self, claim: dict, slots: int, vacant: Callable[[int], bool]) -> str | None:
+    def verdict(self, claim: dict, slots: int, vacant: Callable[[int], bool],
+                dp_rank: Callable[[int], int] = lambda slot: 0) -> str | None:
         """None: take the orphan on as its slot's core or front (`vacant`: whether the slot
-        has none); else why it must retire."""
+        has none; `dp_rank`: whose copy of the weights the slot's core maps); else why it
+        must retire."""
         self.expected = {s: p for s, p in self.expected.items() if p != claim.get("pid")}
         self.expected_fronts = {s: p for s, p in self.expected_fronts.items() if p != claim.get("pid")}
         slot = claim.get("slot")
@@ -135,6 +137,8 @@ class Adoption:
             return f"it serves {claim.get('listen')}, this daemon's API is {self.listen}"
         if not isinstance(slot, int) or not 0 <= slot < slots:
             return f"slot {slot!r} is not one of this daemon's {slots}"
+        if claim.get("role") != "front" and claim.get("dp_rank", 0) != dp_rank(slot):
+            return f"it maps the copy of data-parallel rank {claim.get('dp_rank', 0)}, slot {slot} is rank {dp_rank(slot)}'s"
         if not vacant(slot):
             return f"slot {slot} has a {'front' if claim.get('role') == 'front' else 'worker'} already"
         return None

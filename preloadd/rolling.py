@@ -79,7 +79,7 @@ class RollingRestart:
             sup.go(fresh)
             self.phase = "next"
         elif fresh.state == "standby":
-            if sup.room_for(old.kv_cache_bytes):
+            if sup.room_for(old.kv_cache_bytes, fresh.dp_rank):
                 sup.go(fresh)
                 self.phase = "taking_over"
             else:  # (its front holds the requests meanwhile, and hands them to the replacement: nothing to drain)

@@ -125,9 +125,9 @@ class Sleeper:
     def status(self) -> dict | None:
         if self.level is None:
             return None
-        loaded = self.d.loaded
+        on_host = self.d.r.device == "cpu"
         return {"level": self.level, "since": self.since, "asleep": self.asleep,
-                "host_bytes": loaded.arena.size if loaded and self.d.r.device == "cpu" else 0}
+                "host_bytes": sum(copy.arena.size for copy in self.d.copies) if on_host else 0}
 
     def _sleep(self, level: int) -> None:
         d = self.d
@@ -145,7 +145,7 @@ class Sleeper:
         d = self.d
         d.state, self.asleep = "waking", False
         t0 = time.monotonic()
-        if d.loaded is None:
+        if not d.copies:
             d.load_again()
         d.state = "waking"  # (a load said "loading" meanwhile)
         d.supervisor.sleep(None)

@@ -14,10 +14,10 @@ state). A front outlives its slot's cores: when a core dies, a spare or a fresh 
 the slot and the front hands it the requests (worker/front.py); a front that dies is
 started again (its connections are lost: the one case that loses requests).
 
-The daemon owns the API listening socket and every front inherits it, so a client
-that connects while a front restarts waits in the kernel's backlog instead of being
-refused. The daemon is a child subreaper: workers (double-forked by the zygote) are
-its children, reaped here by pid, the zygote through its own Popen.
+The daemon owns the API listening socket and every front inherits it: a client that
+connects while a front restarts waits in the kernel's backlog. The daemon is a child
+subreaper: workers (double-forked by the zygote) are reaped here by pid, the zygote
+through its own Popen.
 """
 
 from __future__ import annotations
@@ -49,21 +49,22 @@ TICK = 0.25  # seconds between turns when nothing happens: deadlines are this pr
 
 
 class Supervisor:
-    """Keeps `opts.workers` workers serving and `spares` warm spare workers beside them.
-    A spare has attached, warmed up and waits for a slot; when a worker dies the spare
-    takes its slot at once, and a new spare warms up. `room_for(kv_bytes)` says whether
-    the device has room for one more KV cache of that size, so that a rolling restart can
-    run old and new side by side. `zygote`: the first zygote, launched already
+    """Keeps `opts.workers` workers serving and `spares` warm spares beside them, on each of
+    `dp_ranks` copies of the weights. A spare has attached, warmed up and waits for a slot of
+    its rank; when a worker dies the spare takes its slot at once, and a new spare warms up.
+    `room_for(kv_bytes, dp_rank)`: whether the rank's device has room for one more KV cache,
+    so that a rolling restart runs old and new side by side. `zygote`: the first zygote
     (zygote.launch_early); `gpu`: the workers run on a GPU (their zygote imports Triton)."""
 
     def __init__(self, opts: DaemonOptions, serve: ServeOptions, spares: int, listen: socket.socket,
-                 room_for: Callable[[int], bool] = lambda kv_bytes: True, zygote: zyg.Zygote | None = None,
-                 gpu: bool = False):
+                 room_for: Callable[[int, int], bool] = lambda kv_bytes, dp_rank: True,
+                 zygote: zyg.Zygote | None = None, gpu: bool = False, dp_ranks: int = 1):
         self.opts, self.spares, self.listen, self.room_for = opts, spares, listen, room_for
         self.spec = zyg.worker_spec(serve, gpu)
         self.workers: dict[int, Worker] = {}  # by pid
-        self.slots = [Slot() for _ in range(opts.workers)]
-        self.front_slots = [Slot() for _ in range(opts.workers)]  # the fronts' restarts and backoff
+        self.dp_ranks = dp_ranks
+        self.slots = [Slot() for _ in range(opts.workers * dp_ranks)]
+        self.front_slots = [Slot() for _ in self.slots]  # the fronts' restarts and backoff
         self.spare_pool = Slot()  # restarts and backoff of the spares
         self.zygotes = zyg.Zygotes(self.spec, listen.fileno(), opts.state_dir, zygote) if opts.zygote else None
         self.rolling: RollingRestart | None = None
@@ -217,16 +218,19 @@ class Supervisor:
 
     # ---- workers: start, tell, hear, reap -----------------------------------------------------
 
-    def spawn(self, slot: int | None, role: str = "core") -> Worker:
-        """Fork a core for `slot` (it waits for its go all the same), a spare core, or the
-        front of `slot` (it starts at once)."""
-        proc = None
+    def dp_rank(self, slot: int) -> int:  # (whose copy of the weights the slot's core maps)
+        return slot // self.opts.workers
+
+    def spawn(self, slot: int | None, role: str = "core", dp_rank: int = 0) -> Worker:
+        """Fork a core for `slot` (it waits for its go all the same), a spare core of
+        `dp_rank`, or the front of `slot` (it starts at once)."""
+        proc, dp_rank = None, dp_rank if slot is None else self.dp_rank(slot)
         if self.zygotes:
-            pid, link = self.zygotes.fork(slot, role)
+            pid, link = self.zygotes.fork(slot, role, dp_rank)
         else:
-            proc, link = zyg.spawn_fresh(self.spec, slot, self.listen.fileno(), role)
+            proc, link = zyg.spawn_fresh(self.spec, slot, self.listen.fileno(), role, dp_rank)
             pid = proc.pid
-        worker = self.adopt(Worker(pid, link, os.pidfd_open(pid), slot, proc, role=role))
+        worker = self.adopt(Worker(pid, link, os.pidfd_open(pid), slot, proc, role=role, dp_rank=dp_rank))
         if role == "front":
             worker.told, worker.state = True, "starting"
         log.info("%s started (pid %d)", worker.name, pid)
@@ -250,7 +254,7 @@ class Supervisor:
         conn, claim, fds = got
         front = claim.get("role") == "front"
         vacant = (lambda slot: self.front_of(slot) is None) if front else (lambda slot: self.holder(slot) is None)
-        why = self.adoption.verdict(claim, len(self.slots), vacant)
+        why = self.adoption.verdict(claim, len(self.slots), vacant, self.dp_rank)
         if why is None and self._stopping is not None:
             why = "the daemon is stopping"
         try:
@@ -294,11 +298,8 @@ class Supervisor:
     def retire_spare(self, worker: Worker) -> None:
         """A spare reads EOF on its link and exits."""
         worker.retiring = True
-        self._unregister(worker.link)
+        unregister(self._sel, worker.link)
         worker.link.close()
-
-    def _unregister(self, fileobj) -> None:
-        unregister(self._sel, fileobj)
 
     def zygote_current(self) -> bool:
         """Whether forks run the code installed now (a restart waits for that)."""
@@ -314,7 +315,7 @@ class Supervisor:
                 data, fds = b"", []
             if not data:  # it closed its end: it is exiting, and its pidfd will say when
                 close_fds(fds)
-                self._unregister(worker.link)
+                unregister(self._sel, worker.link)
                 return
             try:
                 msg = json.loads(data)
@@ -355,8 +356,8 @@ class Supervisor:
             return
         del self.workers[worker.pid]
         worker_gone(worker.pid)
-        self._unregister(worker.pidfd)
-        self._unregister(worker.link)
+        unregister(self._sel, worker.pidfd)
+        unregister(self._sel, worker.link)
         worker.close()
         reason = describe_exit(code)
         if worker.kill_reason:
@@ -402,9 +403,10 @@ class Supervisor:
     def front_of(self, slot: int) -> Worker | None:
         return next((w for w in self.workers.values() if w.fronts(slot)), None)
 
-    def idle_spares(self) -> list[Worker]:
-        """Spares that could take a slot, the warmest first."""
-        spares = [w for w in self.workers.values() if w.slot is None and not w.retiring and w.role == "core"]
+    def idle_spares(self, dp_rank: int | None = None) -> list[Worker]:
+        """Spares that could take a slot (of `dp_rank`, if given), the warmest first."""
+        spares = [w for w in self.workers.values() if w.slot is None and not w.retiring and w.role == "core"
+                  and dp_rank in (None, w.dp_rank)]
         return sorted(spares, key=lambda w: (w.state != "standby", w.since))
 
     def _refill(self) -> None:
@@ -424,16 +426,16 @@ class Supervisor:
         starting = any(w.slot is not None and w.state != "ready" and not w.retiring and w.role == "core"
                        for w in self.workers.values())
         # Spares warm up while no worker is starting, so that they never slow down one that is.
-        if (not starting and len(self.idle_spares()) < self.spares and now >= self.spare_pool.next_start
-                and self._can_fork()):
-            self.spawn(None)
+        short = [k for k in range(self.dp_ranks) if len(self.idle_spares(k)) < self.spares]
+        if not starting and short and now >= self.spare_pool.next_start and self._can_fork():
+            self.spawn(None, dp_rank=short[0])
 
     def _can_fork(self) -> bool:
         return not self.zygotes or self.zygotes.ready is not None
 
     def _fill(self, slot: int) -> None:
         """Put a worker in a vacant slot: a spare if there is one, else a fresh fork."""
-        spares = self.idle_spares()
+        spares = self.idle_spares(self.dp_rank(slot))
         if spares:
             worker, via = spares[0], "spare"
             worker.slot = slot
@@ -486,8 +488,8 @@ class Supervisor:
 
     def _publish(self) -> None:
         now = time.monotonic()
-        workers = [info.status(slot, self.holder(slot), now) | {"front": self.front_slots[slot].front_status(
-                   self.front_of(slot), now)} for slot, info in enumerate(self.slots)]
+        workers = [info.status(slot, self.holder(slot), now) | {"dp_rank": self.dp_rank(slot), "front": self.front_slots[
+                   slot].front_status(self.front_of(slot), now)} for slot, info in enumerate(self.slots)]
         spares = [w.spare_status(now) for w in self.idle_spares()]
         with self._published:
             z = self.zygotes

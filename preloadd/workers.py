@@ -34,6 +34,7 @@ class Worker:
     slot: int | None  # None: a spare
     proc: subprocess.Popen | None = None  # a fresh interpreter (no zygote) is reaped through its Popen
     role: str = "core"  # a slot's engine core, or its front (HTTP: worker/serve.py); spares are cores
+    dp_rank: int = 0  # whose copy of the weights it maps (--data-parallel-size)
     # Before it is told its slot: warming -> standby. After: starting -> ready -> draining.
     state: str = "warming"
     told: bool = False  # given its slot
@@ -56,7 +57,7 @@ class Worker:
         or, with a reason to `retire`, draining (it was told so)."""
         front = claim.get("role") == "front"
         w = cls(claim["pid"], conn, pidfd, claim["slot"] if retire is None or front else None, adopted=True, told=True,
-                role="front" if front else "core")
+                role="front" if front else "core", dp_rank=claim.get("dp_rank", 0))
         w.stamps["adopted"] = time.time()
         if retire is None:
             w.state, w.heard = "ready", time.monotonic()
@@ -117,7 +118,7 @@ class Worker:
         self.signal(signal.SIGKILL)
 
     def spare_status(self, now: float) -> dict:
-        return {"pid": self.pid, "state": self.state, "uptime_s": round(now - self.since, 3),
+        return {"pid": self.pid, "state": self.state, "uptime_s": round(now - self.since, 3), "dp_rank": self.dp_rank,
                 "forked": self.stamps["forked"], "warm": self.stamps.get("warm")}
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from preload.ipc.protocol import log_output_to
-from preload.kernels import triton_import_steps
+from preload.kernels import ahead, triton_import_steps
 from preload.options import ServeOptions, from_json, to_json
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV, METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
@@ -62,6 +62,7 @@ WORKER_ENV = (KERNEL_CACHE_ENV, MULTIPROC_ENV)  # set by the daemon for its work
 # numpy (imported by torch) starts an OpenBLAS thread per core at its import; a process that
 # forks must have no threads. torch's own matrix products do not use numpy's OpenBLAS.
 ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+COMPILE_AHEAD_TIMEOUT = 120.0  # seconds for the kernels compiled ahead; the first core waits for them up to then
 IDLE_GRACE = 0.1  # seconds a zygote waits for a fork request before idle work: a daemon with
 # a slot to fill asks within milliseconds of reading "ready"
 
@@ -100,8 +101,8 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
 
     log_output_to(log_path)
     sock = socket.socket(fileno=os.dup(listen_fd))
-    return serve_supervised(from_json(ServeOptions, spec["serve"]), spec["slot"], sock, link_fd,
-                            spec.get("role", "core"))
+    serve = from_json(ServeOptions, spec["serve"] | {"dp_rank": spec.get("dp_rank", 0)})
+    return serve_supervised(serve, spec["slot"], sock, link_fd, spec.get("role", "core"))
 
 
 def worker_main() -> None:
@@ -196,11 +197,17 @@ def main() -> None:
         # (what a GPU worker's first step would import: kernels/__init__.py)
         idle_work = [*triton_import_steps(), gc.freeze] if spec.get("gpu") else []
         send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
+        # (a host whose kernel cache lacks what the workers' list names: compiled beside the load)
+        compiling = ahead.compile_listed() if spec.get("gpu") else None
         while True:
             msg, _ = next_request(control, idle_work)
             if msg is None:  # the daemon closed its end
                 return
-            pid, link = fork_worker(spec, msg["slot"], listen_fd, control, msg.get("role", "core"))
+            if compiling and msg.get("role", "core") == "core":
+                compiling.finish(COMPILE_AHEAD_TIMEOUT)  # (before the first core: it finds them in the cache)
+                compiling = None
+            pid, link = fork_worker(spec | {"dp_rank": msg.get("dp_rank", 0)}, msg["slot"], listen_fd, control,
+                                    msg.get("role", "core"))
             send(control, {"pid": pid}, [link.fileno()])
             link.close()
     except (BrokenPipeError, ConnectionResetError):  # the daemon died (the next one starts its own zygote)
@@ -288,11 +295,11 @@ class Zygote:
             self.ready_at = at if isinstance(at, float) and self.launched <= at <= time.monotonic() else time.monotonic()
         return self.ready
 
-    def fork(self, slot: int | None, role: str = "core") -> tuple[int, socket.socket]:
+    def fork(self, slot: int | None, role: str = "core", dp_rank: int = 0) -> tuple[int, socket.socket]:
         """A new worker's pid and the daemon's end of its link."""
         self.sock.settimeout(FORK_TIMEOUT)
         try:
-            send(self.sock, {"slot": slot, "role": role})
+            send(self.sock, {"slot": slot, "role": role, "dp_rank": dp_rank})
             reply, fds = receive(self.sock)
         except OSError as e:  # a timeout included: a zygote that cannot fork is as good as dead
             raise RuntimeError(f"the zygote (pid {self.pid}) did not fork: {e}") from None
@@ -356,11 +363,11 @@ class Zygotes:
         sel.register(z.pidfd, selectors.EVENT_READ, lambda: self._exited(sel, z))
         sel.register(z.sock, selectors.EVENT_READ, lambda: self._ready(sel, z))
 
-    def fork(self, slot: int | None, role: str = "core") -> tuple[int, socket.socket]:
+    def fork(self, slot: int | None, role: str = "core", dp_rank: int = 0) -> tuple[int, socket.socket]:
         if self.ready is None:
             raise RuntimeError("no zygote is ready")
         try:
-            return self.ready.fork(slot, role)
+            return self.ready.fork(slot, role, dp_rank)
         except RuntimeError:
             self._retire(self.ready, kill=True)
             raise
@@ -446,14 +453,15 @@ class Zygotes:
         self._next_start = time.monotonic() + (min(0.5 * 2 ** (f - 1), MAX_BACKOFF) if f else 0.0)
 
 
-def spawn_fresh(spec: dict, slot: int | None, listen_fd: int,
-                role: str = "core") -> tuple[subprocess.Popen, socket.socket]:
+def spawn_fresh(spec: dict, slot: int | None, listen_fd: int, role: str = "core",
+                dp_rank: int = 0) -> tuple[subprocess.Popen, socket.socket]:
     """Without a zygote: a worker as a new interpreter that imports everything itself."""
     ours, theirs = link_pair()
     log_path = f"{spec['serve']['state_dir']}/{log_name(slot, role)}"
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "preload.preloadd.zygote", "--worker", json.dumps(spec | {"slot": slot, "role": role}),
+            [sys.executable, "-m", "preload.preloadd.zygote", "--worker",
+             json.dumps(spec | {"slot": slot, "role": role, "dp_rank": dp_rank}),
              str(listen_fd), str(theirs.fileno()), log_path],
             pass_fds=(listen_fd, theirs.fileno()), start_new_session=True)
     except BaseException:

@@ -74,6 +74,20 @@ def complete(port: int, client: httpx.Client | None = None, max_tokens: int = 8,
 KEEPER_TITLE = "preload keeper"  # the daemon's keeper (tests/preloadd/test_keeper.py), no worker of it
 
 
+GREEDY_PROMPTS = ([5, 6, 7, 8], [30, 2, 41, 9, 17, 17], [90] * 12)
+
+
+def greedy(port: int, prompts=GREEDY_PROMPTS) -> list[str]:
+    """Each prompt's 16 greedy tokens (as text) from the API on `port`."""
+    out = []
+    for prompt in prompts:
+        r = httpx.post(api(port) + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                             "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
 def slot_pids(d) -> list[int]:
     """The pids /status shows serving: each slot's engine core (its worker) and its front."""
     return sorted(p for w in workers_of(d) for p in (w["pid"], w["front"]["pid"]) if p)

@@ -62,13 +62,15 @@ class AttachedWeights(Mapping[str, torch.Tensor]):
         self.close()
 
 
-def attach(state_dir: str | Path | None = None, timeout: float = 10.0) -> AttachedWeights:
+def attach(state_dir: str | Path | None = None, timeout: float = 10.0, dp_rank: int = 0) -> AttachedWeights:
+    """The daemon's weights, mapped read-only: its copy for data-parallel rank `dp_rank`."""
     state_dir = Path(state_dir) if state_dir else default_state_dir()
     client = DaemonClient(state_dir, timeout)
+    ranked = {"dp_rank": dp_rank} if dp_rank else {}
     try:
-        client.request("hello")
-        manifest = Manifest.from_wire(client.request("manifest")["manifest"])
-        arena = map_arena(*client.arena_fds())
+        client.request("hello", **ranked)
+        manifest = Manifest.from_wire(client.request("manifest", **ranked)["manifest"])
+        arena = map_arena(*client.arena_fds(dp_rank))
     except BaseException:
         client.close()
         raise

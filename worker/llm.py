@@ -50,7 +50,7 @@ class LLM:
     """A model ready to generate: loaded in this process (on the GPU when there is one,
     unless `device` says otherwise), or attached zero-copy to a running daemon's weights
     when `state_dir` is given (then `model`, `quant`, `device` and `dtype`, if given,
-    must match what the daemon holds)."""
+    must match what the daemon holds; `dp_rank`: which of its copies, one per GPU)."""
 
     def __init__(
         self,
@@ -63,13 +63,14 @@ class LLM:
         lazy_graphs: bool = False,
         ranks: Ranks = Ranks(),
         leader: Leader | None = None,
+        dp_rank: int = 0,
     ):
         if quant is not None and quant not in QUANT_MODES:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
         self.attached = None
         self._draft = None  # (what --speculative-config named, the draft model, its attachment or None)
         if state_dir is not None:
-            weights = self._attach(state_dir, model, quant, device, dtype)
+            weights = self._attach(state_dir, model, quant, device, dtype, dp_rank)
         elif model is None:
             raise ValueError("LLM needs a model directory or a daemon's state_dir")
         else:
@@ -131,8 +132,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         return load_checkpoint(model_dir, self.config, self.dtype, self.device, quant)
 
-    def _attach(self, state_dir, model, quant: str | None, device: str | None, dtype: str | None) -> Weights:
-        self.attached = attach(state_dir)
+    def _attach(self, state_dir, model, quant: str | None, device: str | None, dtype: str | None,
+                dp_rank: int = 0) -> Weights:
+        self.attached = attach(state_dir, dp_rank=dp_rank)
         m = self.attached.manifest
         try:
             wanted = {"quant": quant, "dtype": dtype, "device": device and resolve_device_name(device)}
@@ -147,6 +149,8 @@ class LLM:
         files = self.attached.files
         self.config = ModelConfig.from_dict(self.attached.config)
         self.device, self.dtype, self.quant = torch.device(m.device), resolve_dtype(m.dtype, torch.device(m.device), self.config), m.quant
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # (Triton and graphs launch on the current device: the arena's)
         self.tokenizer = Tokenizer(files["tokenizer.json"].decode(), json.loads(files.get("tokenizer_config.json", b"{}")))
         return self.attached
 

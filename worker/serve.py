@@ -196,7 +196,7 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
              "the slot's, mapped again" if offer is not None and not memory.fresh else "made", time.monotonic() - t)
     link.kv_fd = memory.fd
     link.claim = {"fingerprint": llm.attached.manifest.fingerprint, "kv_cache_bytes": budget,
-                  "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2])}
+                  "kv_memory_bytes": memory.size, "listen": list(sock.getsockname()[:2]), "dp_rank": opts.dp_rank}
     name = Path(llm.attached.manifest.model).name  # the checkpoint's; a front serves --served-model-name if given
     core = Core(llm, core_address(opts.state_dir, slot), hello_of(llm, name, link.takeover), w.drain_timeout)
     link.report("ready", fds=(link.kv_fd,), **link.claim)
@@ -267,7 +267,7 @@ def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_
     engine = replace(opts.worker.engine, kv_cache_memory=WARM_UP_KV_BYTES)
     try:
         llm = LLM(opts.model, state_dir=opts.state_dir or default_state_dir(), engine=engine, lazy_graphs=lazy_graphs,
-                  leader=leader)
+                  leader=leader, dp_rank=opts.dp_rank)
         state.weights_note = f"the daemon's on {llm.attached.state_dir}"
         return llm
     except DaemonUnavailable as e:

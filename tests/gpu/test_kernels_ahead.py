@@ -52,3 +52,24 @@ def test_kernels_compiled_ahead_without_a_gpu_are_all_a_fresh_start_compiles(tmp
     assert json.loads(again.stdout) == json.loads(first.stdout)
     assert kernels_in(fresh) == ahead_of_time  # (the JIT found every one: none compiled again)
     assert ahead.read_list(ahead.list_path(fresh)) == listed
+
+
+def test_a_daemon_whose_cache_holds_only_the_list_compiles_it_beside_the_load(tmp_path, monkeypatch):
+    """A cache with the list and no kernels (an upgrade emptied it, or the list was copied
+    in): the zygote compiles them in forked processes before the first worker starts."""
+    import shutil
+
+    from daemons import free_port, running_daemon
+
+    run(["-c", GENERATE], tmp_path / "recorded")
+    cache = tmp_path / "listed"
+    cache.mkdir(mode=0o700)
+    shutil.copy(ahead.list_path(tmp_path / "recorded"), ahead.list_path(cache))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with running_daemon(tmp_path / "state", None, "--device", "cuda:0", "--workers", "1", "--spare-workers", "0",
+                        port=free_port()):
+        assert kernels_in(cache) >= kernels_in(tmp_path / "recorded")
+    said = "".join(p.read_text() for p in (tmp_path / "state").glob("*.log"))
+    assert "kernels compiled ahead in" in said and "not all" not in said, said[-3000:]
+    assert list(cache.glob("preload-compiled-*"))

@@ -34,3 +34,15 @@ def test_a_gpu_cuda_does_not_show_has_no_uuid():
     with pytest.raises(ValueError, match=f"CUDA shows this process {count} GPU"):
         gpu_uuid(f"cuda:{count}")
 
+
+
+def test_data_parallel_ranks_take_consecutive_gpus_or_each_the_cpu(monkeypatch):
+    from preload.ipc import devices
+
+    assert devices.data_parallel_devices("cpu", 3) == ["cpu"] * 3
+    assert devices.data_parallel_devices("cuda", 1) == ["cuda"]  # (one rank: the name as given, as before)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    assert devices.data_parallel_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert devices.data_parallel_devices("cuda:1", 3) == ["cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(ValueError, match="needs GPUs 2 to 4: CUDA shows this process 4"):
+        devices.data_parallel_devices("cuda:2", 3)

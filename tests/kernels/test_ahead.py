@@ -154,3 +154,43 @@ def test_a_damaged_list_is_said_and_written_anew(tmp_path, caplog):
     ahead.list_path(tmp_path).unlink()
     hook_call(recorder, rms_norm_spec(True, 512)[0])
     assert len(ahead.read_list(ahead.list_path(tmp_path))) == 1
+
+
+LISTED = """
+import json, sys
+from preload.kernels import ahead
+from triton import knobs
+first = ahead.compile_listed()
+done = first.finish(120) if first else None
+again = ahead.compile_listed()  # (the marker says the cache has them all)
+print(json.dumps([len(first.pids) if first else 0, done, again is None]))
+"""
+
+
+def test_a_cache_lacking_what_its_list_names_compiles_it_in_forked_children_once(cache):
+    specs = [rms_norm_spec(add, block)[0] for add, block in CASES]
+    ahead.write_list(ahead.list_path(cache), {ahead.entry_digest(s): s for s in specs})
+
+    def run() -> list:
+        r = subprocess.run([sys.executable, "-c", LISTED], capture_output=True, text=True, timeout=300, env=os.environ)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    processes = min(3, len(os.sched_getaffinity(0)))
+    assert run() == [processes, True, True]
+    assert len(compiled_in(cache)) == 3 and len(list(cache.glob("preload-compiled-*"))) == 1
+    assert run() == [0, None, True]  # (a start on the same cache: nothing forked)
+    more = json.dumps(json.loads(specs[0]) | {"options": json.loads(specs[0])["options"] | {"num_warps": 8}})
+    ahead.write_list(ahead.list_path(cache), {ahead.entry_digest(s): s for s in specs + [more]})
+    assert run()[1:] == [True, True] and len(compiled_in(cache)) == 4  # (a worker listed one more)
+
+
+def test_children_that_outlast_the_wait_are_killed_and_reaped():
+    import time
+
+    pids = [os.fork() or (time.sleep(30), os._exit(0)) for _ in range(2)]
+    t0 = time.monotonic()
+    assert ahead.wait_compiles(pids, 0.2) is False and time.monotonic() - t0 < 5
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

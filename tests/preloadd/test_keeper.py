@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import httpx
+import pytest
 from daemons import arena_inodes, daemon_processes, free_port, running_daemon, sockets_in, wait_for
 from supervised import PROMPT, api, dead, kill_daemon, logs, ready_workers, start_args
 
@@ -212,3 +213,45 @@ def test_a_keeper_spawned_before_the_load_leaves_nothing_if_the_daemon_ends_firs
     assert not (state_dir / KEEPER_SOCK).exists()
     log = (state_dir / "keeper.log").read_text()
     assert log.count("the daemon stopped before it had weights to keep") == 2, log
+
+
+def test_a_handover_carries_every_copys_fds_apart_and_reads_a_one_copy_keepers_form():
+    """A handover (keeper.py's wire: a message, the fds on it) carries each data-parallel
+    rank's manifest and arena fds as its own, the API socket last; the form a keeper of
+    one copy sent before data parallelism is read as one copy; counts that do not add up
+    are refused and every fd that came closed."""
+    import socket
+
+    from preload.ipc.protocol import send_with_fds
+    from preload.preloadd.keeper import Kept, ProtocolError, _receive, _send
+
+    def memfds(n):
+        return [os.memfd_create(f"copy{i}") for i in range(n)]
+
+    a, b = socket.socketpair()
+    api = socket.socket()
+    kept = Kept([{"rank": 0}, {"rank": 1}], [memfds(1), memfds(2)], api)
+    _send(a, kept)
+    got = _receive(b)
+    assert got.manifests == [{"rank": 0}, {"rank": 1}] and [len(f) for f in got.arena_fds] == [1, 2]
+    assert [[os.readlink(f"/proc/self/fd/{fd}") for fd in fds] for fds in got.arena_fds] == [
+        ["/memfd:copy0 (deleted)"], ["/memfd:copy0 (deleted)", "/memfd:copy1 (deleted)"]]
+    assert got.api is not None and got.api.family == socket.AF_INET
+    got.close()
+    kept.close()
+
+    old = memfds(1)
+    send_with_fds(a, {"manifest": {"rank": 0}, "arena_fds": 1, "api": False}, old)
+    got = _receive(b)
+    assert got.manifests == [{"rank": 0}] and len(got.arena_fds) == 1 and len(got.arena_fds[0]) == 1 and got.api is None
+    got.close()
+
+    before = len(os.listdir("/proc/self/fd"))
+    send_with_fds(a, {"manifests": [{}, {}], "arena_fds": [1, 2], "api": False}, old * 2)  # (2 fds where 3 are said)
+    with pytest.raises(ProtocolError, match="malformed handover"):
+        _receive(b)
+    assert len(os.listdir("/proc/self/fd")) == before
+    for fd in old:
+        os.close(fd)
+    a.close()
+    b.close()

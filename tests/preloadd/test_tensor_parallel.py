@@ -14,22 +14,7 @@ import signal
 import psutil
 import pytest
 from daemons import daemon_processes, free_port, running_daemon, wait_for
-from supervised import api, complete, dead, start_args
-
-import httpx
-
-PROMPTS = ([5, 6, 7, 8], [30, 2, 41, 9, 17, 17], [90] * 12)
-
-
-def greedy(port: int) -> list[str]:
-    out = []
-    for prompt in PROMPTS:
-        r = httpx.post(api(port) + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
-                                                             "ignore_eos": True}, timeout=60)
-        assert r.status_code == 200, r.text
-        out.append(r.json()["choices"][0]["text"])
-    return out
-
+from supervised import complete, dead, greedy, start_args
 
 @pytest.fixture(scope="module")
 def one_process(tiny_checkpoint, tmp_path_factory):

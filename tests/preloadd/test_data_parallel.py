@@ -1,0 +1,112 @@
+"""Data parallelism (`--data-parallel-size`, issue 38) through the real command line, on
+the CPU, where each rank's copy of the weights is a memfd of its own as each GPU's is an
+allocation of its own: one daemon loads a copy per rank (the same fingerprint), places
+`--workers` and `--spare-workers` per rank, and each core maps its own rank's copy and
+no other; the one API port serves the greedy output of a one-rank daemon; a rank's dead
+core is replaced by that rank's spare; a killed daemon's successor takes every copy and
+every worker back; one started with another size lets the copies go and retires the
+workers of the slots it no longer has; a stop leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from daemons import ARENA_LABEL, PRELOAD, arena_inodes, daemon_processes, free_port, running_daemon, wait_for
+from supervised import dead, greedy, kill_daemon, ready_workers, start_args
+
+
+def mapped_arenas(pid: int) -> set[int]:
+    """The inodes of the weight arenas process `pid` maps."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {int(f[4]) for f in (line.split(maxsplit=5) for line in maps.splitlines())
+            if len(f) == 6 and f[5].startswith("/" + ARENA_LABEL)}
+
+
+def dp_args(port: int, size: int = 2, *extra) -> tuple:
+    return start_args(port, 1, "--data-parallel-size", size, *extra)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_checkpoint, tmp_path_factory):
+    port = free_port()
+    with running_daemon(tmp_path_factory.mktemp("one") / "state", tiny_checkpoint, *start_args(port)):
+        return greedy(port)
+
+
+def test_each_rank_has_a_copy_of_its_own_and_its_slots_and_spares_map_only_that(tiny_checkpoint, tmp_path,
+                                                                                  one_rank):
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *dp_args(port, 2, "--spare-workers", 1)) as d:
+        s = d.status()
+        assert [(c["dp_rank"], c["device"]) for c in s["data_parallel"]] == [(0, "cpu"), (1, "cpu")]
+        assert s["data_parallel"][0]["bytes"] == s["data_parallel"][1]["bytes"] > 0
+        assert s["bytes_per_device"] == {"cpu": 2 * s["data_parallel"][0]["bytes"]}
+        copies = {ino for _, ino in arena_inodes(s["pid"])}
+        assert len(copies) == 2  # (the daemon holds both; nothing else was loaded)
+
+        workers = wait_for(lambda: (w := ready_workers(d)) and len(w) == 2 and w, timeout=60)
+        assert [(w["slot"], w["dp_rank"]) for w in workers] == [(0, 0), (1, 1)]
+        spares = wait_for(lambda: (sp := d.status()["spares"]) and len(sp) == 2
+                          and all(x["state"] == "standby" for x in sp) and sp, timeout=60)
+        by_rank = {x["dp_rank"]: x["pid"] for x in spares}
+        assert sorted(by_rank) == [0, 1]
+        core_copy = [mapped_arenas(w["pid"]) for w in workers]
+        assert all(len(c) == 1 for c in core_copy) and core_copy[0] != core_copy[1] and set().union(*core_copy) == copies
+        assert [mapped_arenas(by_rank[k]) for k in (0, 1)] == core_copy  # (a spare warms on its rank's copy)
+
+        shown = subprocess.run([PRELOAD, "status", "--state-dir", str(d.state_dir)], capture_output=True, text=True,
+                               timeout=30).stdout
+        assert "in 2 copies (data-parallel ranks)" in shown and "worker 1 (rank 1): ready" in shown, shown
+        for _ in range(3):  # (the port's connections land on either rank's front)
+            assert greedy(port) == one_rank
+
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+        new = wait_for(lambda: (w := ready_workers(d)) and w[1]["pid"] != workers[1]["pid"] and w, timeout=60)
+        assert new[1]["pid"] == by_rank[1] and new[1]["dp_rank"] == 1  # rank 1's spare, not rank 0's
+        assert mapped_arenas(new[1]["pid"]) == core_copy[1]
+        assert greedy(port) == one_rank
+        state_dir = d.state_dir
+    assert daemon_processes(state_dir) == []
+
+
+def test_a_new_daemon_takes_back_every_copy_and_worker_and_one_of_another_size_lets_them_go(tiny_checkpoint, tmp_path,
+                                                                                             one_rank):
+    port, state_dir = free_port(), tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, *dp_args(port)) as first:
+        ready = wait_for(lambda: (w := ready_workers(first)) and len(w) == 2 and w, timeout=60)
+        workers = [w["pid"] for w in ready]
+        copies = arena_inodes(first.status()["pid"])
+        kill_daemon(first)
+        assert greedy(port) == one_rank  # (the orphans serve on)
+        with running_daemon(state_dir, tiny_checkpoint, *dp_args(port)) as second:
+            s = second.status()
+            assert s["readopted"] and arena_inodes(s["pid"]) == copies  # (no load: the kept copies)
+            ws = wait_for(lambda: (w := ready_workers(second)) and len(w) == 2 and w, timeout=60)
+            assert [w["pid"] for w in ws] == workers and [w["dp_rank"] for w in ws] == [0, 1]  # adopted, in place
+            assert greedy(port) == one_rank
+            kill_daemon(second)
+        with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as third:  # one rank now
+            s = third.status()
+            assert not s["readopted"] and len(s["data_parallel"]) == 1
+            assert not arena_inodes(s["pid"]) & copies  # the kept copies let go, one loaded
+            assert wait_for(lambda: dead(workers[1]), timeout=60)  # slot 1 is gone: its worker retired
+            assert greedy(port) == one_rank
+    assert daemon_processes(state_dir) == [] and all(dead(p) for p in workers)
+
+
+def test_an_orphan_core_is_taken_back_only_into_a_slot_of_the_rank_whose_copy_it_maps():
+    """A daemon restarted with other --workers places ranks differently: the core of old
+    slot 1 (rank 1 with one worker a rank) maps rank 1's copy, and slot 1 is rank 0's now."""
+    from preload.preloadd.orphans import Adoption
+
+    adoption = Adoption(None, "fp", ["127.0.0.1", 8000], {})
+    two_a_rank = lambda slot: slot // 2  # noqa: E731 (--workers 2)
+    core = {"pid": 1, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "dp_rank": 1}
+    assert "slot 1 is rank 0's" in adoption.verdict(core | {"slot": 1}, 4, lambda s: True, two_a_rank)
+    assert adoption.verdict(core | {"slot": 3}, 4, lambda s: True, two_a_rank) is None
+    front = {"pid": 2, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "role": "front", "slot": 1}
+    assert adoption.verdict(front, 4, lambda s: True, two_a_rank) is None  # (a front maps no weights)
