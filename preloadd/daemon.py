@@ -283,13 +283,13 @@ class Daemon:
             if self.keeper:
                 self.keeper.wait_kept()
             self.state = "ready"
-            fp = self.copies[0].manifest.fingerprint
+            fp, n = self.copies[0].manifest.fingerprint, o.workers * len(r.devices)
             log.info("ready in %.2f s: %d bytes resident, fingerprint %s", self.progress.seconds,
                      sum(copy.arena.size for copy in self.copies), fp)
             notify({"ready": True, "pid": os.getpid(), "fingerprint": fp, "seconds": self.progress.seconds,
-                    "workers": o.workers * len(r.devices), "port": self.ports["api"], "health_port": self.ports["health"]})
+                    "workers": n, "port": self.ports["api"], "health_port": self.ports["health"]})
             systemd.notify(READY="1", MAINPID=str(os.getpid()),
-                           STATUS=f"ready: {len(r.devices) * o.workers} worker(s) on port {self.ports['api']}, fingerprint {fp}")
+                           STATUS=f"ready: {n} worker{'s' * (n != 1)} on port {self.ports['api']}, fingerprint {fp}")
             while not self.stop_requested.is_set():
                 self.sleeper.poke.wait(0.5)
                 self.sleeper.poke.clear()

@@ -48,6 +48,7 @@ from preload.worker.engine.sequence import Sequence
 from preload.worker.front import CoreClient
 from preload.worker.link import DaemonLink, KvOffer
 from preload.worker.llm import LLM
+from preload.worker.load_board import PUBLISH, GatedSocket, LoadBoard
 from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
 
 log = logging.getLogger("preload.worker")
@@ -106,6 +107,7 @@ class DrainingServer(uvicorn.Server):
                  shared_socket: bool):
         super().__init__(config)
         self.state, self.engine, self.drain_timeout, self.shared_socket = state, engine, drain_timeout, shared_socket
+        self.on_drain: Callable[[], None] | None = None
 
     def handle_exit(self, sig, frame) -> None:
         if self.state.phase == "draining":
@@ -118,6 +120,8 @@ class DrainingServer(uvicorn.Server):
         if self.shared_socket:
             for server in getattr(self, "servers", []):
                 server.close()  # our copy of the daemon's socket: no new connections here
+        if self.on_drain is not None:
+            self.on_drain()
         deadline = time.monotonic() + self.drain_timeout
         while self.engine.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -222,7 +226,7 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
         # `preload sleep` and `wake` come on the link's thread; the client lives on this loop.
         link.on_sleep = lambda sleeping, level: loop.call_soon_threadsafe(client.sleep, sleeping, level)
         link.listen()
-        reading = asyncio.ensure_future(client.run())
+        reading, publishing = asyncio.ensure_future(client.run()), None
         try:
             await client.hello.wait()
             link.claim = {"role": "front", "fingerprint": client.info["fingerprint"],
@@ -230,17 +234,30 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
             app = create_app(client, client.tokenizer, client.info["model"], state, w)
             app.state.serving.metrics.worker = str(slot)
             server = DrainingServer(http_config(app, w), state, client, w.drain_timeout, shared_socket=True)
+            board = LoadBoard(opts.state_dir, slot)
+            gated = GatedSocket(sock, board, lambda: len(server.server_state.connections))
+            server.on_drain = board.close  # (a draining front takes no connection: peers stop counting it)
+            publishing = asyncio.ensure_future(publish_load(gated, state))
             freeze_objects()
             mark_ready(state)
             link.report("ready")
-            await server.serve(sockets=[sock])
+            await server.serve(sockets=[gated])
         finally:
             reading.cancel()
+            if publishing is not None:
+                publishing.cancel()
 
     try:
         asyncio.run(main())
     finally:
         client.close()
+
+
+async def publish_load(gated: GatedSocket, state: WorkerState) -> None:
+    """This front's load on the board every PUBLISH seconds, until it drains."""
+    while state.phase != "draining":
+        gated.publish()
+        await asyncio.sleep(PUBLISH)
 
 
 def http_config(app, w) -> uvicorn.Config:
