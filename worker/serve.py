@@ -178,7 +178,7 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     e = w.engine
     leader = None if e.tensor_parallel_size == 1 else tensor_group.start(
         e.tensor_parallel_size, e.enable_expert_parallel, Path(opts.state_dir) / f"group-{os.getpid()}.rendezvous",
-        {"state_dir": str(opts.state_dir)})  # (its followers attach while this core does)
+        {"state_dir": str(opts.state_dir), "dp_rank": opts.dp_rank})  # (its followers attach while this core does)
     llm = open_weights(opts, state, supervised=True, lazy_graphs=lazy_graphs, leader=leader)
     log.info("weights attached in %.3f s", time.monotonic() - state.started)
     freeze_objects()

@@ -173,7 +173,7 @@ def main(spec: dict) -> None:
     dist.init_process_group("gloo", init_method=spec["init"], rank=spec["rank"], world_size=spec["size"])
     from preload.worker.attach import attach
 
-    weights = attach(spec["state_dir"])
+    weights = attach(spec["state_dir"], dp_rank=spec.get("dp_rank", 0))  # (its core's copy of the weights)
     m = weights.manifest
     cfg = ModelConfig.from_dir(m.model)
     ranks = Ranks(spec["rank"], spec["size"], spec["expert_parallel"])

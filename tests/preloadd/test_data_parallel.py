@@ -110,3 +110,19 @@ def test_an_orphan_core_is_taken_back_only_into_a_slot_of_the_rank_whose_copy_it
     assert adoption.verdict(core | {"slot": 3}, 4, lambda s: True, two_a_rank) is None
     front = {"pid": 2, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "role": "front", "slot": 1}
     assert adoption.verdict(front, 4, lambda s: True, two_a_rank) is None  # (a front maps no weights)
+
+
+def test_a_tensor_parallel_group_maps_its_slots_copy_in_every_process(tiny_checkpoint, tmp_path, one_rank):
+    """--data-parallel-size 2 with --tensor-parallel-size 2: rank 1's slot is a group of two
+    processes, and its follower maps rank 1's copy, as its core does."""
+    import psutil
+
+    port = free_port()
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *dp_args(port, 2, "--tensor-parallel-size", 2)) as d:
+        workers = wait_for(lambda: (w := ready_workers(d)) and len(w) == 2 and w, timeout=120)
+        for w in workers:
+            [follower] = [p for p in psutil.Process(w["pid"]).children()
+                          if "preload.worker.tensor_group" in " ".join(p.cmdline())]
+            assert mapped_arenas(follower.pid) == mapped_arenas(w["pid"]) and len(mapped_arenas(w["pid"])) == 1
+        assert mapped_arenas(workers[0]["pid"]) != mapped_arenas(workers[1]["pid"])
+        assert greedy(port) == one_rank
