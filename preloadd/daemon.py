@@ -188,11 +188,15 @@ class Daemon:
         self.copies = []
         log.info("weights let go")
 
-    def load_again(self) -> None:
-        """A wake from sleep level 2: the weights loaded as at a start, the keeper given them."""
-        self.progress = Progress()
-        self._load(lambda msg: None, None, copy_plan(self.r.model, self.opts.quant, self.r.dtype, self.r.transport,
-                                                     self.r.device))
+    def load_again(self, copies: list[Loaded] | None = None) -> None:
+        """A wake: the weights put back (`copies`, from host memory: sleep level 1 on a GPU)
+        or loaded as at a start (level 2); the keeper given them."""
+        if copies is not None:
+            self._loaded(copies)
+        else:
+            self.progress = Progress()
+            self._load(lambda msg: None, None, copy_plan(self.r.model, self.opts.quant, self.r.dtype,
+                                                         self.r.transport, self.r.device))
         self._keep(self.api)
         if self.keeper:
             self.keeper.wait_kept()

@@ -86,16 +86,18 @@ class Sleeper:
 
     ready -> sleeping: the state says so at once (/health 503); the supervisor lets every
     core go; once every one is reaped, level 2 lets the weights go too (the keeper's hold
-    and the arena: the memory is freed). sleeping -> waking -> ready: level 2 loads the
-    weights again (as a start does), then every slot gets a core, ready when all are.
-    Level 1 on a GPU would move the weights to host memory; until that copy exists it is
-    refused there (the weights would stay on the device, which level 1 promises to free)."""
+    and the arena: the memory is freed); level 1 on a GPU first copies each copy of the
+    weights to host memory (ipc/host_stash.py), then lets them go as level 2 does (on a CPU
+    they stay where they are: host memory already). sleeping -> waking -> ready: the weights
+    put back from host memory (level 1) or loaded again as a start does (level 2), then every
+    slot gets a core, ready when all are."""
 
     def __init__(self, daemon):
         self.d = daemon
         self.level: int | None = None  # while sleeping, falling asleep or waking
         self.since: float | None = None  # when the sleep was asked for (wall clock)
         self.asleep = False  # every core gone (and at level 2 the weights): the sleep is done
+        self.stashes: list = []  # level 1 on a GPU: (host copy, manifest) of each copy of the weights
         self._asked: queue.SimpleQueue = queue.SimpleQueue()
         self.poke = threading.Event()  # the main thread's wake-up
 
@@ -107,9 +109,6 @@ class Sleeper:
         if op == "sleep":
             if level not in LEVELS:
                 return {"ok": False, "error": f"sleep level {level!r}: 1 (keep the weights) or 2 (drop them)"}
-            if level == 1 and d.r.device != "cpu":
-                return {"ok": False, "error": "sleep level 1 on a GPU (the weights moved to host memory) is not built"
-                        " yet; level 2 frees the device and reads the weights again at wake"}
         self._asked.put((op, level))
         self.poke.set()
         return {}
@@ -126,8 +125,8 @@ class Sleeper:
         if self.level is None:
             return None
         on_host = self.d.r.device == "cpu"
-        return {"level": self.level, "since": self.since, "asleep": self.asleep,
-                "host_bytes": sum(copy.arena.size for copy in self.d.copies) if on_host else 0}
+        held = [copy.arena.size for copy in self.d.copies] if on_host else [s.info.size for s, _ in self.stashes]
+        return {"level": self.level, "since": self.since, "asleep": self.asleep, "host_bytes": sum(held)}
 
     def _sleep(self, level: int) -> None:
         d = self.d
@@ -136,7 +135,9 @@ class Sleeper:
         deadline = time.monotonic() + CORES_GONE_TIMEOUT
         while d.supervisor.status().get("cores_left", 1) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if level == 2:
+        if level == 1 and d.r.device != "cpu":
+            self._to_host()
+        if level == 2 or self.stashes:
             d.let_weights_go()
         self.asleep = True
         log.info("asleep, level %d", level)
@@ -145,7 +146,9 @@ class Sleeper:
         d = self.d
         d.state, self.asleep = "waking", False
         t0 = time.monotonic()
-        if not d.copies:
+        if self.stashes:
+            self._from_host()
+        elif not d.copies:
             d.load_again()
         d.state = "waking"  # (a load said "loading" meanwhile)
         d.supervisor.sleep(None)
@@ -158,3 +161,46 @@ class Sleeper:
             time.sleep(0.02)
         d.state, self.level, self.since = "ready", None, None
         log.info("awake in %.2f s", time.monotonic() - t0)
+
+    def _to_host(self) -> None:
+        """Each copy of the weights copied to host memory, or none (then they stay on the
+        device: said, and the sleep frees the cores' memory alone)."""
+        from preload.ipc import host_stash
+
+        t0 = time.monotonic()
+        try:
+            for copy in self.d.copies:
+                self.stashes.append((host_stash.stash(copy.arena.info(), copy.arena.fds()[0]), copy.manifest))
+        except Exception as e:  # noqa: BLE001 (host memory short, a driver error: the weights stay where they are)
+            log.error("sleep level 1: the weights could not be copied to host memory (%s); they stay on the device", e)
+            self._drop_stashes()
+            return
+        log.info("sleep level 1: %d bytes of weights copied to host memory in %.2f s",
+                 sum(s.info.size for s, _ in self.stashes), time.monotonic() - t0)
+
+    def _from_host(self) -> None:
+        """The weights put back on the device from host memory, the same bytes (no load)."""
+        from dataclasses import replace
+
+        from preload.ipc import host_stash
+        from preload.preloadd.weights import Loaded
+
+        t0, copies = time.monotonic(), []
+        try:
+            for held, manifest in self.stashes:
+                arena = host_stash.restore(held)
+                copies.append(Loaded(arena, replace(manifest, arena=arena.info())))
+        except BaseException:
+            for copy in copies:
+                copy.arena.close()
+            raise
+        finally:
+            self._drop_stashes()
+        self.d.load_again(copies)
+        log.info("wake: %d bytes of weights back on the device in %.2f s", sum(c.arena.size for c in copies),
+                 time.monotonic() - t0)
+
+    def _drop_stashes(self) -> None:
+        for held, _ in self.stashes:
+            held.close()
+        self.stashes = []

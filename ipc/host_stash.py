@@ -1,0 +1,103 @@
+"""A cuda-vmm arena's bytes kept in host memory while its device memory is freed, and put
+back into a new allocation: the daemon's sleep level 1 on a GPU (preloadd/sleeping.py).
+
+The daemon holds a sealed arena only as its exported fd (its own mapping goes at seal; a
+re-adopted arena was never mapped here), so the bytes are read through a read-only import
+of that fd. The host copy is a memfd (host memory, as vLLM's level 1 keeps it), page-locked
+for the copies (cuMemHostRegister: the copy engines then move it at the bus's speed rather
+than through the driver's staging buffers). What comes back is the same bytes in a new
+allocation on the same device: the manifest's layout and fingerprint stand, only its
+arena's handle is new. Driver API only: the daemon never needs torch for this.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from preload.ipc.cuda import (
+    CU_MEM_ACCESS_FLAGS_PROT_READ,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    VmmArena,
+    _check,
+    _map,
+    _unmap,
+)
+from preload.ipc.devices import driver as _cu
+from preload.ipc.devices import make_current
+from preload.ipc.layout import ArenaError
+from preload.ipc.manifest import ArenaInfo
+
+CU_MEMHOSTREGISTER_PORTABLE = 1  # (any context may copy from it)
+
+
+@dataclass
+class HostStash:
+    """An arena's bytes in host memory (a memfd, mapped here), page-locked while held."""
+
+    info: ArenaInfo
+    fd: int
+    map: mmap.mmap
+    address: int  # of the mapping, for the driver
+    pinned: bool = False
+
+    def close(self) -> None:
+        if self.pinned:
+            make_current(self.info.device)
+            _cu().cuMemHostUnregister(ctypes.c_void_p(self.address))
+            self.pinned = False
+        self.map.close()
+        os.close(self.fd)
+
+
+def stash(info: ArenaInfo, fd: int) -> HostStash:
+    """The bytes of the cuda-vmm arena exported as `fd`, copied into host memory."""
+    if info.transport != "cuda-vmm":
+        raise ArenaError(f"a {info.transport} arena is not moved to host memory")
+    host = os.memfd_create("preload-stash", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(host, info.size)
+        mapped = mmap.mmap(host, info.size)
+    except BaseException:
+        os.close(host)
+        raise
+    held = HostStash(info, host, mapped, np.frombuffer(mapped, dtype=np.uint8).ctypes.data)
+    try:
+        make_current(info.device)
+        held.pinned = _cu().cuMemHostRegister_v2(ctypes.c_void_p(held.address), ctypes.c_size_t(info.size),
+                                                 CU_MEMHOSTREGISTER_PORTABLE) == 0  # (else pageable: slower)
+        cu, handle = _cu(), ctypes.c_uint64()
+        _check(cu.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
+                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+        try:
+            ptr = _map(handle.value, info.size, info.device, CU_MEM_ACCESS_FLAGS_PROT_READ)
+            try:
+                _check(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(held.address), ctypes.c_uint64(ptr), ctypes.c_size_t(info.size)),
+                       "cuMemcpyDtoH")
+            finally:
+                _unmap(ptr, info.size)
+        finally:
+            cu.cuMemRelease(handle)
+    except BaseException:
+        held.close()
+        raise
+    return held
+
+
+def restore(held: HostStash) -> VmmArena:
+    """A new cuda-vmm arena on the stash's device holding its bytes, sealed."""
+    arena = VmmArena(held.info.size, f"cuda:{held.info.device}")
+    try:
+        if arena.size != held.info.size:  # (the same device's granularity: never, unless the driver changed)
+            raise ArenaError(f"the new arena has {arena.size} bytes, the stash {held.info.size}")
+        _check(_cu().cuMemcpyHtoD_v2(ctypes.c_uint64(arena.ptr), ctypes.c_void_p(held.address),
+                                     ctypes.c_size_t(held.info.size)), "cuMemcpyHtoD")
+        arena.seal()
+    except BaseException:
+        arena.close()
+        raise
+    return arena
