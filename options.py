@@ -218,6 +218,9 @@ class DaemonOptions:
                           " (--no-keeper: they go with the daemon).", flag="--keeper/--no-keeper")
     zygote: bool = option(True, "Fork workers from a zygote that has imported everything (--no-zygote: start each"
                           " as a fresh interpreter, slower).", flag="--zygote/--no-zygote")
+    restore: Path | None = option(None, "A snapshot (`preload snapshot DIR`, experimental: CRIU) whose zygote, its"
+                                  " imports done, is restored instead of importing again; if it cannot be, the"
+                                  " start goes on without it and says why.")
     worker_start_timeout: float = option(
         300.0, "Seconds a worker may take from its start to ready (a spare: to warm) before it is killed and replaced.",
         bounds=(1, None))

@@ -127,6 +127,7 @@ class StartRun:
     after_ready: dict[str, int] = field(default_factory=dict)  # daemon: rss, uss, pss, shared, anon, file, shmem
     worker_log: list[str] = field(default_factory=list)  # with workers: the daemon's and worker 0's log lines (start_lines)
     first_request_s: float | None = None  # with workers: the first request once ready (first_request)
+    restore: dict | None = None  # with --restore: the daemon's /status word on it (restored, or why not)
 
     def sample(self, tree: list[psutil.Process], daemon: psutil.Process | None, port: int, now: float) -> None:
         """One poll of the launcher's process tree while it starts."""
@@ -143,11 +144,12 @@ class StartRun:
             self.port_open_s, self.at_port_open = now, proc_memory(daemon.pid)
 
 
-def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
-    """Launch the real `preload start`, time it to ready, sample memory, then stop it."""
+def run_start(model: Path, quant: str, device: str, workers: int, restore: Path | None = None) -> StartRun:
+    """Launch the real `preload start`, time it to ready, sample memory, then stop it;
+    `restore`: with --restore (its zygote from that snapshot; a start that did not take it fails)."""
     run = StartRun(quant)
     port = free_port()
-    extra = ("--workers", workers, "--spare-workers", 0) if workers else ()
+    extra = (("--workers", workers, "--spare-workers", 0) if workers else ()) + (("--restore", restore) if restore else ())
     done = threading.Event()
 
     def sampler() -> None:  # this process's descendants: the launcher, then the daemon it spawns
@@ -175,6 +177,9 @@ def run_start(model: Path, quant: str, device: str, workers: int) -> StartRun:
             run.overhead_s = run.start_to_ready_s - run.load_seconds
             run.arena_bytes = int(sum(status["bytes_per_device"].values()))
             run.device = status["device"]
+            run.restore = status.get("restore")
+            if restore and not (run.restore or {}).get("restored"):
+                raise RuntimeError(f"the start did not take --restore {restore}: {(run.restore or {}).get('why')}")
             mem = proc_memory(d.pid)
             run.daemon_hwm = mem.get("hwm", 0)
             for k in ("rss", "anon", "file", "shmem"):  # the last 20 ms before ready may have been missed
@@ -241,7 +246,8 @@ def _is_daemon(p: psutil.Process) -> bool:
 
 
 def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "auto", evict: bool = False,
-             warmup: bool = True, transformers: bool = False, workers: int = 0, progress=lambda msg: None) -> dict:
+             warmup: bool = True, transformers: bool = False, workers: int = 0, snapshot: bool = False,
+             progress=lambda msg: None) -> dict:
     model = Path(model).absolute()
     files = checkpoint_files(model)
     big_name, big_bytes = largest_tensor(files)
@@ -303,6 +309,9 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
                 starts[quant] = summarize_starts(runs, warm_s, first_s)
                 starts[quant]["ratio_ready_over_cat"] = starts[quant]["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
                 starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
+            if snapshot:
+                result["snapshot"] = restored_starts(model, quants, repeat, device, workers, starts, result, warm_s,
+                                                     first_s, progress)
         finally:
             if saved is None:
                 os.environ.pop(KERNEL_CACHE_ENV, None)
@@ -322,6 +331,27 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
         }
     result["machine"]["device"] = next((r["device"] for s in starts.values() for r in s["runs"]), None)
     return finish(result, t0)
+
+
+def restored_starts(model: Path, quants: list[str], repeat: int, device: str, workers: int, starts: dict,
+                    result: dict, warm_s: float, first_s: float, progress) -> dict:
+    """`preload snapshot` (a zygote, its imports done: preloadd/snapshot.py), then the same
+    starts with --restore, into `starts` as "<quant> --restore"; what snapshot.json says."""
+    with tempfile.TemporaryDirectory(prefix="preload-bench-snapshot-") as tmp:
+        dest = Path(tmp) / "snapshot"
+        progress("preload snapshot (CRIU)")
+        taken = preload("snapshot", dest)
+        if taken.returncode != 0:
+            raise RuntimeError(f"preload snapshot exited {taken.returncode}: {taken.stdout}{taken.stderr}")
+        for quant in quants:
+            runs = []
+            for i in range(repeat):
+                progress(f"preload start --quant {quant} --restore ({i + 1}/{repeat})")
+                runs.append(run_start(model, quant, device, workers, restore=dest))
+            s = starts[f"{quant} --restore"] = summarize_starts(runs, warm_s, first_s)
+            s["ratio_ready_over_cat"] = s["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
+            s["ratio_load_over_cat"] = s["load_seconds"]["p50"] / result["cat_files"]["p50"]
+        return json.loads((dest / "snapshot.json").read_text())
 
 
 def summarize_starts(runs: list[StartRun], warm_s: float, first_s: float) -> dict:
@@ -440,6 +470,11 @@ def format_table(result: dict) -> str:
                      + (f", its first request {first['first_request_s']:.3f} s" if first.get("first_request_s") else "")
                      + "; from the logs:")
         lines += [f"{'':17}{line}" for line in first["worker_log"]]
+    snap = result.get("snapshot")
+    if snap:
+        lines.append(f"{'snapshot':15}  `preload snapshot` (CRIU {snap['criu']}): a zygote after {snap['import_seconds']:.3f} s"
+                     f" of imports, {snap['image_bytes'] / 1e6:.0f} MB of image, dumped in {snap['dump_seconds']:.3f} s;"
+                     " the rows `--restore` start from it")
     t = result.get("transformers")
     if t:
         lines.append(f"{'transformers':15}  fresh process {t['process_s']['p50']:.3f} s"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from preload.preloadd.zygote import compiles_from_source
+from preload.preloadd.install import compiles_from_source
 
 MiB = 2**20
 

@@ -108,15 +108,20 @@ def bench() -> None:
 @click.option("--no-warmup", is_flag=True, help="Skip the unrecorded warm-up launch.")
 @click.option("--transformers", "with_transformers", is_flag=True,
               help="Also time transformers from_pretrained on the same files (needs transformers).")
+@click.option("--snapshot", is_flag=True, help="Also take `preload snapshot` and time the same starts with --restore"
+              " (needs --workers and a CRIU that passes `criu check`).")
 @json_option("cold")
-def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transformers, json_path):
+def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transformers, snapshot, json_path):
     """Cold start: `preload start` to ready per quant mode, vs reading the checkpoint files alone."""
     from preload.bench.cold import format_table, run_cold
     from preload.options import BUNDLED_MODEL
 
+    if snapshot and not workers:
+        raise click.UsageError("--snapshot restores a zygote, which forks workers: give --workers")
     try:
         result = run_cold(Path(model or BUNDLED_MODEL), quant, repeat=repeat, device=device, evict=evict,
-                          warmup=not no_warmup, transformers=with_transformers, workers=workers, progress=_progress)
+                          warmup=not no_warmup, transformers=with_transformers, workers=workers,
+                          snapshot=snapshot, progress=_progress)
     except (OSError, RuntimeError, TimeoutError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)

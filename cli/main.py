@@ -20,6 +20,7 @@ COMMANDS = {
     "make-checkpoint": ("preload.cli.make_checkpoint", "make_checkpoint", "Write a random checkpoint with real models' shapes."),
     "restart": ("preload.cli.daemon", "restart", "Replace the daemon's workers (rolling, or --now)."),
     "serve": ("preload.cli.serve", "serve", "Serve the OpenAI-compatible API from the daemon's weights."),
+    "snapshot": ("preload.cli.snapshot", "snapshot", "Checkpoint a zygote, imports done, for start --restore (CRIU)."),
     "sleep": ("preload.cli.daemon", "sleep", "Free the device: the workers' engines stop until `preload wake`."),
     "start": ("preload.cli.start", "start", "Start the daemon: load a checkpoint once, keep it resident."),
     "status": ("preload.cli.daemon", "status", "Show what the daemon holds and who is attached."),

@@ -26,7 +26,7 @@ from preload.ipc.devices import cuda_device_count, ordinal
 from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
 from preload.preloadd.state_dir import StateDirError, prepare_state_dir
-from preload.preloadd.zygote import launch_early
+from preload.preloadd.zygote import Zygote, launch_early
 
 log = logging.getLogger("preload.daemon")
 LOG_BYTES, LOG_BACKUPS = protocol.LOG_BYTES, protocol.LOG_BACKUPS  # daemon.log, then .1 .. .3
@@ -66,8 +66,7 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
         return _failed(f"preload: the daemon's log: {e.strerror}", notify, notify_fd)
     try:
         if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
-            zygote = launch_early(options.state_dir)
-            log.info("zygote launched (pid %d): its imports overlap the daemon's start and load", zygote.pid)
+            zygote = first_zygote(options)
         if options.device != "cpu":  # the CUDA driver's start (0.2 s on an H200 host) overlaps the imports too
             threading.Thread(target=_start_cuda, args=(options,), name="cuinit", daemon=True).start()
         from preload.preloadd.daemon import Daemon  # torch and the rest: a broken install is a failed start too
@@ -82,6 +81,27 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     finally:
         if zygote is not None:
             zygote.discard()  # (reaped already, unless the start failed before its supervisor took it)
+
+
+def first_zygote(options: DaemonOptions) -> Zygote:
+    """The zygote of --restore's snapshot, or one launched now; `restore` says which (and why)."""
+    t0, why = time.monotonic(), None
+    if options.restore is not None:
+        from preload.preloadd import snapshot
+
+        try:
+            zygote = snapshot.restore(options.restore, options.state_dir)
+            zygote.restore = {"from": str(options.restore), "restored": True, "seconds": round(time.monotonic() - t0, 3)}
+            log.info("zygote restored from %s (pid %d) in %.3f s: its imports done", options.restore, zygote.pid,
+                     time.monotonic() - t0)
+            return zygote
+        except snapshot.SnapshotError as e:
+            why = str(e)
+            log.warning("--restore %s: %s; a zygote is launched instead", options.restore, why)
+    zygote = launch_early(options.state_dir)
+    zygote.restore = None if why is None else {"from": str(options.restore), "restored": False, "why": why}
+    log.info("zygote launched (pid %d): its imports overlap the daemon's start and load", zygote.pid)
+    return zygote
 
 
 def _failed(message: str, notify, notify_fd: int | None) -> int:

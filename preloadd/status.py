@@ -36,6 +36,7 @@ def daemon_status(d) -> dict:
         "workers": sup.get("workers", []),
         "spares": sup.get("spares", []),
         "zygote_restarts": sup.get("zygote_restarts", 0),
+        "restore": d.early_zygote.restore if d.early_zygote else None,  # (--restore: snapshot.py)
         "health_port": d.ports.get("health"),
         "port": d.ports.get("api"),
     }

@@ -34,12 +34,12 @@ processes it forks, never in the daemon).
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import os
 import select
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -51,11 +51,10 @@ from pathlib import Path
 from preload.ipc.protocol import log_output_to
 from preload.kernels import ahead, triton_import_steps
 from preload.options import ServeOptions, from_json, to_json
+from preload.preloadd.install import code_version, compiles_from_source
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV, METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
-WORKER_CODE = ("kernels", "checkpoint", "ipc", "preloadd", "worker")  # what a forked worker runs
 FORK_TIMEOUT = 10.0  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
 CODE_CHECK_INTERVAL = 2.0  # seconds between looks at whether the installed code changed
 WORKER_ENV = (KERNEL_CACHE_ENV, MULTIPROC_ENV)  # set by the daemon for its workers (daemon.py)
@@ -185,6 +184,8 @@ def main() -> None:
     # process with threads ("use of fork() may lead to deadlocks"), in every fork's child too.
     setthreadtitle("preload-zygote")
     _preload_imports()
+    if "--park" in sys.argv:  # to be dumped (`preload snapshot`), then restored for a state dir
+        setproctitle(f"preload zygote --state-dir {park(control)}")
     try:
         msg, fds = receive(control)
         if msg is None:  # the daemon closed its end before it got as far as its workers
@@ -214,32 +215,32 @@ def main() -> None:
         print("preload zygote: the daemon is gone; exiting", file=sys.stderr)
 
 
+def park(control: socket.socket) -> str:
+    """A zygote launched to be dumped (snapshot.py), its imports done: let go of this host
+    (stdio to /dev/null, its working directory /), say "parked" with the control socket's
+    inode (for CRIU) and stop. Continued after a restore: take the restoring daemon's stderr
+    and environment, and return its state dir."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.chdir("/")
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    send(control, {"parked": True, "pid": os.getpid(), "socket": os.fstat(control.fileno()).st_ino})
+    os.kill(os.getpid(), signal.SIGSTOP)
+    msg, fds = receive(control)  # (a restore's; EOF: the dump failed and the taker let go)
+    if msg is None:
+        sys.exit(0)
+    for fd in (1, 2):
+        os.dup2(fds[0], fd)
+    os.close(fds[0])
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    return msg["state_dir"]
+
+
 # ---- in the daemon --------------------------------------------------------------------------
-
-
-def code_version() -> str:
-    """Changes when the installed code that workers run changes: the zygote must then be renewed."""
-    h = hashlib.sha256()
-    files = [*PACKAGE_ROOT.glob("*.py"), *(p for d in WORKER_CODE for p in (PACKAGE_ROOT / d).rglob("*.py"))]
-    for path in sorted(files):
-        st = path.stat()
-        h.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
-
-
-def compiles_from_source(module: str = "torch") -> bool:
-    """Whether every fresh interpreter here compiles `module` from source: no cached bytecode
-    beside it, and none written (PYTHONDONTWRITEBYTECODE, or a read-only install). Only the
-    package's first file is looked at; nothing is imported. The H200 machine's image was such
-    an install: `import torch` took 4.3-5.1 s there, 2.0 s once compiled (`python -m compileall`)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return False
-    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
-        return False
-    return sys.dont_write_bytecode or not os.access(os.path.dirname(spec.origin), os.W_OK)
 
 
 def launch_early(state_dir: Path) -> Zygote:
@@ -261,17 +262,31 @@ class Zygote:
     becomes readable when it is ready (`accept_ready`). `env`: set in its environment
     before its imports (the daemon's own, if it has set them already, is inherited)."""
 
-    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None):
+    restore: dict | None = None  # a start's first zygote with --restore: from the snapshot, or why not (cli/start.py)
+
+    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None, park: bool = False):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, "-m", "preload.preloadd.zygote", str(state_dir), str(theirs.fileno())]
-        try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=os.environ | ZYGOTE_ENV | (env or {}))
+        try:  # (`park`: to be dumped, snapshot.py; CRIU takes a process that leads its own session)
+            self.proc = subprocess.Popen(cmd + ["--park"] * park, pass_fds=(theirs.fileno(),),
+                                         env=os.environ | ZYGOTE_ENV | (env or {}), start_new_session=park)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        self.sock = ours
+        self._took(ours, version)
+
+    @classmethod
+    def restored(cls, proc, sock: socket.socket, version: str) -> Zygote:
+        """A zygote that CRIU restored from a snapshot (snapshot.py), `proc` its process."""
+        z = cls.__new__(cls)
+        z.proc = proc
+        z._took(sock, version)
+        return z
+
+    def _took(self, sock: socket.socket, version: str) -> None:
+        self.sock = sock
         self.pidfd = os.pidfd_open(self.proc.pid)  # readable once it has exited
         self.version = version  # of the code it imported
         self.ready = False

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from preload.options import ServeOptions
-from preload.preloadd.zygote import Zygote, code_version, next_request, send, worker_spec
+from preload.preloadd.install import code_version
+from preload.preloadd.zygote import Zygote, next_request, send, worker_spec
 
 
 def ready_zygote(tmp_path, api: socket.socket, gpu: bool) -> Zygote:
@@ -138,7 +139,7 @@ def test_a_python_that_compiles_torch_at_every_import_is_noticed(tmp_path):
 
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("x = 1\n")
-    code = "from preload.preloadd.zygote import compiles_from_source; print(compiles_from_source('pkg'))"
+    code = "from preload.preloadd.install import compiles_from_source; print(compiles_from_source('pkg'))"
 
     def reported(*flags: str) -> str:
         env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
