@@ -169,6 +169,7 @@ def restore(src: Path, state_dir: Path) -> Zygote:
     finally:
         theirs.close()
         pidfile.unlink(missing_ok=True)
+        (state_dir / "stats-restore").unlink(missing_ok=True)  # (CRIU's figures of it, in its work dir; its log stays)
     return Zygote.restored(RestoredProcess(pid), ours, meta["code_version"])
 
 
