@@ -67,6 +67,8 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     try:
         if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
             zygote = first_zygote(options)
+        elif options.restore is not None:
+            log.warning("--restore %s: not used, no zygote runs (--workers 0 or --no-zygote)", options.restore)
         if options.device != "cpu":  # the CUDA driver's start (0.2 s on an H200 host) overlaps the imports too
             threading.Thread(target=_start_cuda, args=(options,), name="cuinit", daemon=True).start()
         from preload.preloadd.daemon import Daemon  # torch and the rest: a broken install is a failed start too
