@@ -1,6 +1,7 @@
 """What is installed: a version of the code that workers run (a zygote that imported
 other code is renewed: zygote.py; a snapshot of other code is not restored: snapshot.py),
-and whether its interpreters compile torch from source at every import."""
+one of the packages they import, and whether its interpreters compile torch from source at
+every import."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ def compiles_from_source(module: str = "torch") -> bool:
     if os.path.exists(importlib.util.cache_from_source(spec.origin)):
         return False
     return sys.dont_write_bytecode or not os.access(os.path.dirname(spec.origin), os.W_OK)
+
+
+def packages_version() -> str:
+    """Changes when a package on the interpreter's path is installed, removed or upgraded
+    (their dist-info folders name each package and its version): a snapshot holds the code
+    that its imports read, torch's and the rest, besides ours."""
+    # (sys.path[0] is the script's folder or the working directory: where the command ran from)
+    names = sorted({entry for folder in sys.path[1:] if os.path.isdir(folder)
+                    for entry in os.listdir(folder) if entry.endswith((".dist-info", ".egg-info"))})
+    return hashlib.sha256("\n".join([sys.version, *names]).encode()).hexdigest()

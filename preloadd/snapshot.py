@@ -14,7 +14,7 @@ CRIU is told is external), says "parked" and stops itself. `criu dump` writes it
 kills it. A restore hands CRIU a new control socket for the old one (--inherit-fd); the
 daemon continues the process and sends it its state dir, its environment and its stderr;
 it goes on as a zygote launched then would (zygote.park). Before a restore: the image is
-ours alone (a restore runs it as our uid), of this install's code (install.code_version),
+ours alone (a restore runs it as our uid), of this install's code and packages (install.py),
 taken with the same variables that the imports read and as many CPUs. Whatever stops a
 restore (that, a host where `criu check` fails, a pid the image needs taken), the start
 goes on with a zygote launched as usual, and its log and /status say why. CRIU gives a
@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 
 from preload.preloadd.state_dir import METRICS_DIR, MULTIPROC_ENV
-from preload.preloadd.install import code_version
+from preload.ipc.devices import cuda_device_count
+from preload.preloadd.install import code_version, packages_version
 from preload.preloadd.zygote import WORKER_ENV, ZYGOTE_ENV, Zygote, receive, send
 
 CRIU_ENV = "PRELOAD_CRIU"  # the criu binary, if not the one on PATH
@@ -105,7 +106,10 @@ def take(dest: Path, state_dir: Path) -> dict:
     (work / IMAGE).mkdir(parents=True, mode=0o700)
     t0 = time.monotonic()
     high_pid()
-    z = Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)}, park=True)
+    # On a GPU host its workers' zygote imports their Triton kernels too (its idle work): done before the dump.
+    kernels = cuda_device_count() > 0
+    z = Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)},
+               park="kernels" if kernels else "imports")
     try:
         z.sock.settimeout(PARK_TIMEOUT)
         parked, _ = receive(z.sock)
@@ -118,7 +122,7 @@ def take(dest: Path, state_dir: Path) -> dict:
         if r.returncode != 0:
             raise SnapshotError(f"criu dump: {criu_reason(_log(work / IMAGE / 'dump.log'))}")
         z.proc.wait()
-        meta = {"code_version": z.version, "pid": parked["pid"], "socket": parked["socket"],
+        meta = {"code_version": z.version, "packages_version": packages_version(), "pid": parked["pid"], "socket": parked["socket"], "kernels_imported": kernels,
                 "python": sys.executable, "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(state_dir)),
                 "criu": _criu([criu, "--version"]).stdout.partition("Version:")[2].split("\n")[0].strip(), "taken": time.time(),
                 "import_seconds": round(imported, 3), "dump_seconds": round(time.monotonic() - t0 - imported, 3),
@@ -224,6 +228,9 @@ def read_meta(src: Path) -> dict:
 def _check_like(meta: dict, env: dict[str, str]) -> None:
     if meta["code_version"] != code_version():
         raise SnapshotError("the snapshot holds other code than this install's (taken before the code changed):"
+                            " take it again with `preload snapshot DIR`")
+    if meta.get("packages_version") != packages_version():
+        raise SnapshotError("the installed packages (torch and the rest) are not those the snapshot imported:"
                             " take it again with `preload snapshot DIR`")
     if meta.get("python") != sys.executable:
         raise SnapshotError(f"the snapshot's Python is {meta.get('python')}, this daemon's {sys.executable}")

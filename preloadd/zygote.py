@@ -185,6 +185,9 @@ def main() -> None:
     setthreadtitle("preload-zygote")
     _preload_imports()
     if "--park" in sys.argv:  # to be dumped (`preload snapshot`), then restored for a state dir
+        if sys.argv[sys.argv.index("--park") + 1] == "kernels":  # (a GPU host's: its idle work, done before)
+            for step in triton_import_steps():
+                step()
         setproctitle(f"preload zygote --state-dir {park(control)}")
     try:
         msg, fds = receive(control)
@@ -264,12 +267,13 @@ class Zygote:
 
     restore: dict | None = None  # a start's first zygote with --restore: from the snapshot, or why not (cli/start.py)
 
-    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None, park: bool = False):
+    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None, park: str | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, "-m", "preload.preloadd.zygote", str(state_dir), str(theirs.fileno())]
-        try:  # (`park`: to be dumped, snapshot.py; CRIU takes a process that leads its own session)
-            self.proc = subprocess.Popen(cmd + ["--park"] * park, pass_fds=(theirs.fileno(),),
-                                         env=os.environ | ZYGOTE_ENV | (env or {}), start_new_session=park)
+        try:  # (`park`: to be dumped after its "imports" or also the "kernels" (snapshot.py); CRIU takes a
+            # process that leads its own session)
+            self.proc = subprocess.Popen(cmd + (["--park", park] if park else []), pass_fds=(theirs.fileno(),),
+                                         env=os.environ | ZYGOTE_ENV | (env or {}), start_new_session=bool(park))
         except BaseException:
             ours.close()
             raise
