@@ -56,4 +56,5 @@ def assert_vllm_names_match(text: str) -> None:
         assert got == want, f"{vllm} differs from {ours}:\n{got}\n{want}"
         assert got, vllm
         for _, labels in got:
-            assert {k for k, _ in labels} - {"le", "finished_reason"} == {"model_name", "worker"}, (vllm, labels)
+            # (vLLM's own: model_name and engine, the data-parallel rank; ours adds the slot)
+            assert {k for k, _ in labels} - {"le", "finished_reason"} == {"model_name", "engine", "worker"}, (vllm, labels)

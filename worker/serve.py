@@ -233,6 +233,7 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
                           "listen": list(sock.getsockname()[:2])}  # (what a new daemon is told of us)
             app = create_app(client, client.tokenizer, client.info["model"], state, w)
             app.state.serving.metrics.worker = str(slot)
+            app.state.serving.metrics.dp_rank = str(opts.dp_rank)  # (the GPU whose copy its cores map)
             server = DrainingServer(http_config(app, w), state, client, w.drain_timeout, shared_socket=True)
             board = LoadBoard(opts.state_dir, slot)
             gated = GatedSocket(sock, board, lambda: len(server.server_state.connections))

@@ -10,10 +10,12 @@ workers of the slots it no longer has; a stop leaves nothing."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from daemons import ARENA_LABEL, PRELOAD, arena_inodes, daemon_processes, free_port, running_daemon, wait_for
 from supervised import dead, greedy, kill_daemon, ready_workers, start_args
@@ -63,6 +65,12 @@ def test_each_rank_has_a_copy_of_its_own_and_its_slots_and_spares_map_only_that(
         assert "in 2 copies (data-parallel ranks)" in shown and "worker 1 (rank 1): ready" in shown, shown
         for _ in range(3):  # (the port's connections land on either rank's front)
             assert greedy(port) == one_rank
+        # Each front's series name its rank as vLLM names a DP engine's (`engine`); here slot k is rank k.
+        series = [line for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines()
+                  if line.startswith("preload_prompt_tokens_total{")]
+        labels = [dict(re.findall(r'(\w+)="([^"]*)"', line)) for line in series]
+        assert labels and all(x["engine"] == x["worker"] for x in labels), series
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in series) > 0
 
         os.kill(workers[1]["pid"], signal.SIGKILL)
         new = wait_for(lambda: (w := ready_workers(d)) and w[1]["pid"] != workers[1]["pid"] and w, timeout=60)

@@ -3,7 +3,8 @@ to vLLM's name, so dashboards port): requests running and waiting, KV-cache usag
 to first token, time per output token, end-to-end latency and its parts (queue, prefill,
 decode), prompt and generation tokens per request, finished requests by reason,
 preemptions, prefix-cache lookups and hits (in tokens), speculative tokens drafted and
-accepted. Every series carries `model_name` and `worker` (the slot) labels.
+accepted. Every series carries `model_name`, `worker` (the slot) and `engine` (its data-parallel
+rank, as vLLM labels a DP engine's series) labels.
 
 Under a daemon every worker writes its series to files in one directory (prometheus-
 client's multiprocess mode: the daemon sets PROMETHEUS_MULTIPROC_DIR under its state dir),
@@ -37,12 +38,13 @@ class WorkerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str, vllm_names: bool = False):
         self.engine, self.model_name = engine, model_name
         self.worker = f"pid-{os.getpid()}"  # a supervised worker's slot once it has one (serve.py)
+        self.dp_rank = "0"  # its data-parallel rank (--data-parallel-size), vLLM's `engine` label: the GPU's copy
         shared = MULTIPROC_ENV in os.environ
         # shared: the values live in the directory's files (every process's), else in this registry
         r = None if shared else CollectorRegistry()
         self.registry = CollectorRegistry()  # what /metrics exposes
         self.registry.register(Exposition(MetricsDirCollector(os.environ[MULTIPROC_ENV]) if shared else r, vllm_names))
-        labels = ["model_name", "worker"]
+        labels = ["model_name", "worker", "engine"]
 
         def counter(name: str, help_: str, extra: tuple = ()) -> Counter:
             return Counter(name, help_, [*extra, *labels], registry=r)
@@ -80,11 +82,11 @@ class WorkerMetrics:
         self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
         self._counted: dict[str, int] = {}  # the engine's running totals as last counted
-        self._created_for: str | None = None  # the worker label whose series exist already
+        self._created_for: tuple | None = None  # the worker and engine labels whose series exist already
         engine.on_step = self.update_gauges
 
     def label(self, metric, *extra: str):
-        return metric.labels(*extra, self.model_name, self.worker)
+        return metric.labels(*extra, self.model_name, self.worker, self.dp_rank)
 
     def update_gauges(self) -> None:
         """The engine's state now (called after each step, from the engine thread, and at
@@ -102,8 +104,8 @@ class WorkerMetrics:
                                    ("spec_accepted", self.spec_accepted, s.spec_accepted_tokens)):
             new, self._counted[key] = total - self._counted.get(key, 0), total
             self.label(metric).inc(max(new, 0))
-        if self._created_for != self.worker:  # once per label: every series exists from the start, at zero, as vLLM's do
-            self._created_for = self.worker
+        if self._created_for != (self.worker, self.dp_rank):  # once per label: every series exists from the start,
+            self._created_for = (self.worker, self.dp_rank)  # at zero, as vLLM's do
             for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,
                            self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
                 self.label(series)
