@@ -7,6 +7,7 @@ once it is ready, or non-zero with the daemon's error on stderr.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -65,6 +66,9 @@ def run_daemon(options: DaemonOptions, notify_fd: int | None = None) -> int:
     except OSError as e:  # nowhere to log to: said to the operator, no traceback
         return _failed(f"preload: the daemon's log: {e.strerror}", notify, notify_fd)
     try:
+        if options.restore is not None:  # the daemon's imports beside the restore (0.1 s), not after it
+            threading.Thread(target=importlib.import_module, args=("preload.preloadd.daemon",), name="imports",
+                             daemon=True).start()  # (an import that fails there fails again below, and is said)
         if options.workers and options.zygote:  # its imports are a first worker's longest wait: they begin now
             zygote = first_zygote(options)
         elif options.restore is not None:
