@@ -69,6 +69,10 @@ def status(state_dir, as_json):
     click.echo(f"  pid {s['pid']}, up {s['uptime_s']:.0f} s, loaded in {s['load_seconds']:.2f} s, attached: {s['attached_workers'] or 'none'}")
     ports = f"API port {s['port']}, " if s.get("port") else ""
     click.echo(f"  {ports}health port {s.get('health_port')}")
+    r = s.get("restore")
+    if r:  # (--restore: snapshot.py)
+        click.echo(f"  zygote restored from {r['from']} in {r['seconds']:.3f} s" if r["restored"]
+                   else f"  --restore {r['from']} not used: {r['why']}")
     for w in s["workers"]:
         rank = f" (rank {w['dp_rank']})" if len(copies) > 1 else ""
         click.echo(f"  worker {w['slot']}{rank}: {w['state']}, pid {w['pid']}, up {w['uptime_s']:.0f} s, "

@@ -152,6 +152,8 @@ def test_a_start_whose_restore_cannot_be_used_serves_anyway_and_status_says_why(
         restore = d.status()["restore"]
         assert restore["from"] == str(not_a_snapshot) and restore["restored"] is False, restore
         assert problem in restore["why"], restore
+        shown = preload("status", "--state-dir", d.state_dir).stdout  # (the operator's view says so too)
+        assert f"--restore {not_a_snapshot} not used: {problem}" in shown, shown
         assert greedy(port) == plain
     assert not (tmp_path / "bin" / "criu-was-run").exists()
 
@@ -203,6 +205,7 @@ def test_a_snapshot_restores_its_zygote_which_serves_as_a_launched_one_would(cri
         s = d.status()
         assert s["restore"]["from"] == str(taken.dir) and s["restore"]["restored"] is True, s["restore"]
         assert s["restore"]["seconds"] > 0
+        assert f"zygote restored from {taken.dir} in " in preload("status", "--state-dir", d.state_dir).stdout
         [zygote] = zygotes(d)
         assert zygote.pid == meta["pid"] and zygote.ppid() == d.pid
         assert title(zygote.pid) == f"preload zygote --state-dir {d.state_dir}"
