@@ -8,20 +8,17 @@ from pathlib import Path
 
 import click
 
-from preload.cli.options import state_dir_option, state_dir_path
-
 
 @click.command()
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
-@state_dir_option
-def snapshot(dest, state_dir):
+def snapshot(dest):
     """Checkpoint a zygote, its imports done, into DEST (new, or an empty folder), for
     `preload start --restore DEST`. Needs CRIU 4.x (on PATH, or $PRELOAD_CRIU) and a host
     where `criu check` passes; exits 1 with CRIU's reason otherwise."""
     from preload.preloadd.snapshot import SnapshotError, take
 
     try:
-        meta = take(dest.absolute(), state_dir_path(state_dir))
+        meta = take(dest.absolute())
     except SnapshotError as e:
         raise click.ClickException(f"no snapshot: {e}") from None
     click.echo(f"snapshot in {dest}: a zygote (pid {meta['pid']}) after {meta['import_seconds']:.2f} s of imports,"

@@ -95,9 +95,10 @@ def import_env(env: dict[str, str]) -> dict[str, str]:
         {MULTIPROC_ENV: "set" if MULTIPROC_ENV in env else "unset"}  # (prometheus-client's choice at import)
 
 
-def take(dest: Path, state_dir: Path) -> dict:
+def take(dest: Path) -> dict:
     """Launch a zygote, let it import, dump it into `dest` (new, or an empty folder); what
-    snapshot.json says of it. Nothing is left at `dest` unless all of it worked."""
+    snapshot.json says of it. Nothing is left at `dest` unless all of it worked. (No state
+    dir: the zygote is titled with its work folder, which no daemon takes for one of its own.)"""
     criu = criu_binary()
     criu_check(criu)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -108,8 +109,7 @@ def take(dest: Path, state_dir: Path) -> dict:
     high_pid()
     # On a GPU host its workers' zygote imports their Triton kernels too (its idle work): done before the dump.
     kernels = cuda_device_count() > 0
-    z = Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)},
-               park="kernels" if kernels else "imports")
+    z = Zygote(work, code_version(), {MULTIPROC_ENV: str(work / METRICS_DIR)}, park="kernels" if kernels else "imports")
     try:
         z.sock.settimeout(PARK_TIMEOUT)
         parked, _ = receive(z.sock)
@@ -123,7 +123,7 @@ def take(dest: Path, state_dir: Path) -> dict:
             raise SnapshotError(f"criu dump: {criu_reason(_log(work / IMAGE / 'dump.log'))}")
         z.proc.wait()
         meta = {"code_version": z.version, "packages_version": packages_version(), "pid": parked["pid"], "socket": parked["socket"], "kernels_imported": kernels,
-                "python": sys.executable, "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(state_dir)),
+                "python": sys.executable, "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(work)),
                 "criu": _criu([criu, "--version"]).stdout.partition("Version:")[2].split("\n")[0].strip(), "taken": time.time(),
                 "import_seconds": round(imported, 3), "dump_seconds": round(time.monotonic() - t0 - imported, 3),
                 "image_bytes": sum(p.stat().st_size for p in (work / IMAGE).iterdir())}

@@ -35,7 +35,7 @@ def test_a_restored_zygote_forks_gpu_workers_that_serve_as_a_launched_ones_do(cr
     port = free_port()
     with running_daemon(tmp_path / "plain", model_dir, *start_args(port, 1, "--spare-workers", 0), "--device", "cuda:0"):
         want = text(port)
-    taken = preload("snapshot", tmp_path / "snap", "--state-dir", tmp_path / "taker", timeout=300)
+    taken = preload("snapshot", tmp_path / "snap", timeout=300)
     assert taken.returncode == 0, taken.stdout + taken.stderr
     meta = json.loads((tmp_path / "snap" / "snapshot.json").read_text())
     assert meta["kernels_imported"] is True  # (a GPU host's zygote imports them while idle: done before the dump)

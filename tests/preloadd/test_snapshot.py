@@ -101,7 +101,7 @@ class Taken:
 def taken(criu, tmp_path_factory) -> Taken:
     """One snapshot, taken once for the module by `preload snapshot DIR`."""
     base = tmp_path_factory.mktemp("snapshot")
-    return Taken(base / "snap", preload("snapshot", base / "snap", "--state-dir", base / "state", timeout=300))
+    return Taken(base / "snap", preload("snapshot", base / "snap", timeout=300))
 
 
 def meta_of(taken: Taken) -> dict:
@@ -112,7 +112,7 @@ def meta_of(taken: Taken) -> dict:
 def test_without_criu_a_snapshot_is_refused_naming_the_missing_criu_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PRELOAD_CRIU", "/nonexistent/criu")
     dest = tmp_path / "snap"
-    r = preload("snapshot", dest, "--state-dir", tmp_path / "state")
+    r = preload("snapshot", dest)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no criu here" in r.stderr and "/nonexistent/criu" in r.stderr, r.stderr
     assert no_partial_beside(dest), os.listdir(tmp_path)
@@ -128,7 +128,7 @@ def test_with_a_criu_whose_check_fails_a_snapshot_is_refused_with_criu_s_own_rea
     reason = next(e for e in criu_errors(said) if not e.startswith("exited,"))
     monkeypatch.setenv("PRELOAD_CRIU", DEBIAN_CRIU)
     dest = tmp_path / "snap"
-    r = preload("snapshot", dest, "--state-dir", tmp_path / "state")
+    r = preload("snapshot", dest)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"`{DEBIAN_CRIU} check` fails" in r.stderr and reason in r.stderr, (reason, r.stderr)
     assert no_partial_beside(dest), os.listdir(tmp_path)
