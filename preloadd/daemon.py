@@ -275,7 +275,7 @@ class Daemon:
             if self.supervisor:
                 self.supervisor.start(Adoption(OrphanListener(o.state_dir), self.copies[0].manifest.fingerprint,
                                                list(api.getsockname()[:2]), orphan_slots(o.state_dir),
-                                               orphan_slots(o.state_dir, "front")))
+                                               orphan_slots(o.state_dir, "front"), took_back=self.readopted))
                 why = self.supervisor.wait_started(o.worker_start_timeout)
                 if why:
                     said = last_line(o.state_dir / "worker-0.log")

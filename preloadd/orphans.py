@@ -5,7 +5,9 @@ every few tenths of a second, <state dir>/workers.sock (worker/link.py). A new d
 listens there. A worker of our uid that claims a slot of this daemon, with the
 fingerprint of the weights this daemon holds, while that slot is free, is supervised
 again as that slot's worker: its KV cache and its requests carry on. Any other is told
-to retire: it drains and exits, and its slot gets a fresh worker.
+to retire: it drains and exits, and its slot gets a fresh worker. So does a core when this
+daemon loaded the weights again instead of taking them back from the keeper (another
+--data-parallel-size, a keeper that died): the copy it maps would stay in memory beside ours.
 
 While a live orphan has not called yet (it tries again within REJOIN_INTERVAL), the new
 daemon leaves its slot empty, for at most ADOPT_WAIT seconds.
@@ -111,6 +113,7 @@ class Adoption:
     listen: list  # [host, port] of this daemon's API socket: an orphan must serve that one
     expected: dict[int, int]  # slot -> pid of a live orphan core that has not called yet
     expected_fronts: dict[int, int] = field(default_factory=dict)  # likewise, the fronts
+    took_back: bool = True  # the weights are those the orphans map (a keeper's), not loaded again
     until: float = field(default_factory=lambda: time.monotonic() + ADOPT_WAIT)
 
     def waiting_for(self, slot: int, role: str = "core") -> bool:
@@ -137,6 +140,8 @@ class Adoption:
             return f"it serves {claim.get('listen')}, this daemon's API is {self.listen}"
         if not isinstance(slot, int) or not 0 <= slot < slots:
             return f"slot {slot!r} is not one of this daemon's {slots}"
+        if claim.get("role") != "front" and not self.took_back:  # (its mapping would keep a second copy alive)
+            return "it maps the weights the last daemon held; this one loaded them again"
         if claim.get("role") != "front" and claim.get("dp_rank", 0) != dp_rank(slot):
             return f"it maps the copy of data-parallel rank {claim.get('dp_rank', 0)}, slot {slot} is rank {dp_rank(slot)}'s"
         if not vacant(slot):

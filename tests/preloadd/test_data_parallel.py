@@ -134,3 +134,25 @@ def test_a_tensor_parallel_group_maps_its_slots_copy_in_every_process(tiny_check
             assert mapped_arenas(follower.pid) == mapped_arenas(w["pid"]) and len(mapped_arenas(w["pid"])) == 1
         assert mapped_arenas(workers[0]["pid"]) != mapped_arenas(workers[1]["pid"])
         assert greedy(port) == one_rank
+
+
+def test_a_core_left_mapping_copies_the_new_daemon_loaded_again_retires_rather_than_keep_them_alive(tiny_checkpoint,
+                                                                                                    tmp_path, one_rank):
+    """Another --data-parallel-size: the kept copies are let go and one loaded anew. Slot 0's
+    core (rank 0 in both) maps a copy the daemon let go; taken on, its mapping would keep that
+    copy in memory beside the new one. It retires, and a core on the new copy serves."""
+    port, state_dir = free_port(), tmp_path / "state"
+    with running_daemon(state_dir, tiny_checkpoint, *dp_args(port)) as first:
+        old = wait_for(lambda: (w := ready_workers(first)) and len(w) == 2 and w, timeout=60)
+        kill_daemon(first)
+        with running_daemon(state_dir, tiny_checkpoint, *start_args(port)) as second:
+            s = second.status()
+            loaded = {ino for _, ino in arena_inodes(s["pid"])}
+            assert not s["readopted"] and len(loaded) == 1
+            assert wait_for(lambda: dead(old[0]["pid"]), timeout=60)
+            [w] = wait_for(lambda: (w := ready_workers(second)) and w[0]["pid"] != old[0]["pid"] and w, timeout=60)
+            assert mapped_arenas(w["pid"]) == loaded
+            assert "retires: it maps the weights the last daemon held; this one loaded them again" in \
+                (state_dir / "daemon.log").read_text()
+            assert greedy(port) == one_rank
+    assert daemon_processes(state_dir) == []
