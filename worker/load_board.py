@@ -58,7 +58,7 @@ class LoadBoard:
         """The fewest requests in flight at a live peer; None when no peer is live."""
         now = time.monotonic() if now is None else now
         live = [load for cell, (load, at) in enumerate(CELL.iter_unpack(self._map))
-                if now - at < STALE and cell != self.slot]
+                if 0 <= now - at < STALE and cell != self.slot]  # (a cell from before a reboot: ahead of the clock)
         return min(live, default=None)
 
     def close(self) -> None:

@@ -77,6 +77,8 @@ def test_the_board_counts_only_live_peers_and_a_fronts_own_accepts_at_once(tmp_p
     b.publish(4)
     c.publish(2, now=time.monotonic() - STALE - 0.1)
     assert a.least_other() == 4 and b.least_other() is None
+    c.publish(2, now=time.monotonic() + 3600)  # (written before a reboot: the monotonic clock began again since)
+    assert a.least_other() == 4
     c.publish(2)
     assert a.least_other() == 2 and c.least_other() == 4
     sock = listening()
