@@ -50,7 +50,7 @@ class LoadBoard:
 
     def publish(self, load: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        if load != self._written[0] or now - self._written[1] >= PUBLISH:
+        if load != self._written[0] or not 0 <= now - self._written[1] < PUBLISH:
             CELL.pack_into(self._map, self.slot * CELL.size, load, now)
             self._written = (load, now)
 
