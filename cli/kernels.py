@@ -14,6 +14,8 @@ import click
 from preload.cli.options import state_dir_option, state_dir_path
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV, kernel_cache_dir
 
+SOME_FAILED = 3  # the exit status when some kernels did not compile (the Dockerfile goes on; an error is 1)
+
 
 def _cache(state_dir: Path | None) -> Path:
     return kernel_cache_dir(state_dir_path(state_dir))
@@ -51,7 +53,8 @@ def compile_command(lists, state_dir, processes):
     """Compile the kernels of LISTS (files `preload kernels` names, from another host or an
     image's build context; default: this cache's own list) into this kernel cache, in
     parallel and without a GPU, and add them to its list. A worker's first start then finds
-    them compiled. Exits 1 if any did not compile (the JIT compiles those at first use)."""
+    them compiled. Exits 3 if some did not compile (the JIT compiles those at first use), 1 on an
+    error (no list, a damaged one)."""
     cache = _cache(state_dir)
     os.environ[KERNEL_CACHE_ENV] = str(cache)  # (before Triton reads it)
     from preload.kernels import ahead
@@ -73,4 +76,4 @@ def compile_command(lists, state_dir, processes):
                f" {done.seconds:.1f} s ({done.processes} processes)")
     for why in done.failed.values():
         click.echo(f"  not compiled: {why}", err=True)
-    sys.exit(1 if done.failed else 0)
+    sys.exit(SOME_FAILED if done.failed else 0)

@@ -34,6 +34,7 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 LIST_NAME = "preload-kernels.json"
 PACKAGE = __name__.rpartition(".")[0]  # preload.kernels: the only modules a list may name
 MAX_ENTRIES = 4096  # the oldest go first past it (a host that served many models and options)
+COMPILE_AHEAD_TIMEOUT = 120.0  # seconds from their start that cores wait for kernels compiled ahead
 
 
 def list_path(cache_dir: str | os.PathLike) -> Path:
@@ -132,7 +134,10 @@ class Recorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # (workers sharing the cache: none loses another's entries)
-            kernels = read_list(self.path) if self.path.exists() else {}
+            try:
+                kernels = read_list(self.path)
+            except ValueError:  # (damaged: said when this recorder began; written anew from here)
+                kernels = {}
             kernels.pop(digest, None)
             kernels[digest] = spec
             write_list(self.path, dict(list(kernels.items())[-MAX_ENTRIES:]))
@@ -228,16 +233,21 @@ def compiled_marker(cache_dir: str | os.PathLike, specs: list[str]) -> Path:
     return Path(cache_dir, f"preload-compiled-{h.hexdigest()[:24]}")
 
 
-def fork_compiles(specs: list[str], processes: int) -> list[int]:
+def fork_compiles(specs: list[str], processes: int) -> tuple[list[int], int]:
     """Compile `specs` into the kernel cache in `processes` children forked now (without
     an executor's threads: for a process that forks workers, the zygote), each its share;
-    a child exits 1 if any of its share failed (said on stderr). Their pids."""
-    pids = []
+    a child exits 1 if any of its share failed (said on stderr). Their pids, and the read
+    end of a pipe whose write end only they hold: at its EOF every one has exited."""
+    pids, (ready, held) = [], os.pipe()
     for part in range(max(1, min(processes, len(specs)))):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
+                # What the forking process holds (a zygote: the API's listening socket, its channel to
+                # the daemon) is not a compiler's: one that outlives it must not keep a port bound.
+                os.closerange(3, held)
+                os.closerange(held + 1, os.sysconf("SC_OPEN_MAX"))
                 failed = compile_share(specs[part::processes])
                 for why in failed.values():
                     print(f"kernel not compiled ahead: {why}", file=sys.stderr)
@@ -246,7 +256,8 @@ def fork_compiles(specs: list[str], processes: int) -> list[int]:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    return pids
+    os.close(held)
+    return pids, ready
 
 
 def wait_compiles(pids: list[int], timeout: float) -> bool:
@@ -266,21 +277,51 @@ def wait_compiles(pids: list[int], timeout: float) -> bool:
 
 @dataclass
 class Compiling:
-    """Kernels being compiled ahead by forked children (compile_listed)."""
+    """Kernels being compiled ahead by forked children (compile_listed). The process that
+    forked them goes on forking workers meanwhile (a zygote must answer a fork within
+    seconds): each worker gets `handed()`, and a core waits in `wait_compiled` until they
+    are done or COMPILE_AHEAD_TIMEOUT has passed since they began."""
 
     pids: list[int]
     marker: Path
+    ready_fd: int  # EOF once every child has exited (fork_compiles)
     started: float = field(default_factory=time.monotonic)
 
     def finish(self, timeout: float) -> bool:
         """Wait for them (up to `timeout` seconds from their start); mark the cache done if
         all compiled; say how it went on stderr (a zygote's log)."""
         done = wait_compiles(self.pids, max(0.0, self.started + timeout - time.monotonic()))
+        os.close(self.ready_fd)
         if done:
             self.marker.touch()
         print(f"kernels compiled ahead in {len(self.pids)} processes in {time.monotonic() - self.started:.2f} s"
               + ("" if done else " (not all: the JIT compiles the rest)"), file=sys.stderr)
         return done
+
+    def settled(self) -> bool:
+        """Without waiting: True once every child has exited or the time is up (then
+        finished: reaped, the cache marked if all compiled), else False."""
+        if select.select([self.ready_fd], [], [], 0)[0] or time.monotonic() > self.started + COMPILE_AHEAD_TIMEOUT:
+            self.finish(COMPILE_AHEAD_TIMEOUT)
+            return True
+        return False
+
+    def handed(self) -> dict:
+        """What a worker forked meanwhile is told (its spec's "compiles"): wait_compiled."""
+        return {"compiles": [self.ready_fd, self.started + COMPILE_AHEAD_TIMEOUT]}
+
+
+def wait_compiled(spec: dict) -> None:
+    """In a worker forked while kernels compiled ahead: a core waits for them (its first
+    step then finds them in the cache), up to the deadline; any role closes the pipe."""
+    if "compiles" not in spec:
+        return
+    fd, until = spec["compiles"]
+    try:
+        if spec.get("role", "core") == "core":
+            select.select([fd], [], [], max(0.0, until - time.monotonic()))  # (CLOCK_MONOTONIC: one clock on the host)
+    finally:
+        os.close(fd)
 
 
 def compile_listed() -> Compiling | None:
@@ -296,15 +337,16 @@ def compile_listed() -> Compiling | None:
 
     try:
         specs = list(read_list(list_path(knobs.cache.dir)).values())
-    except ValueError as e:
-        print(e, file=sys.stderr)
+        marker = compiled_marker(knobs.cache.dir, specs) if specs else None
+        if marker is None or marker.exists():
+            return None
+        for step in triton_import_steps():  # (the children start with the kernel modules imported)
+            step()
+    except Exception as e:  # noqa: BLE001 (nothing compiled ahead: the JIT compiles at first use, and says a real fault)
+        print(f"kernels not compiled ahead: {type(e).__name__}: {e}", file=sys.stderr)
         return None
-    marker = compiled_marker(knobs.cache.dir, specs) if specs else None
-    if marker is None or marker.exists():
-        return None
-    for step in triton_import_steps():  # (the children start with the kernel modules imported)
-        step()
-    return Compiling(fork_compiles(specs, len(os.sched_getaffinity(0))), marker)
+    pids, ready = fork_compiles(specs, len(os.sched_getaffinity(0)))
+    return Compiling(pids, marker, ready)
 
 
 def ours(spec: str) -> bool:
@@ -332,6 +374,8 @@ def compile_spec(spec: str) -> None:
     from triton.compiler import ASTSource
     from triton.runtime.autotuner import Autotuner, Heuristics
 
+    if not ours(spec):  # (a list is data: it names modules to import, so only ours, whoever calls)
+        raise ValueError(f"{name_of(spec)} is not a kernel of {PACKAGE}: not compiled")
     d = json.loads(spec)
     if not d.get("target"):
         raise ValueError("no target named")
@@ -352,7 +396,9 @@ def compile_spec(spec: str) -> None:
     constexprs = {tuple(k): value(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
     signature = {k: tupled(v) for k, v in d["signature"].items()}
-    options = {k: tupled(v) for k, v in d["options"].items()}
+    # (libdevice's path on the recording host: here Triton fills in its own, which the cache key
+    # hashes by content, so a list recorded under another install compiles to the same keys)
+    options = {k: tupled(v) for k, v in d["options"].items() if k != "extern_libs"}
     triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(**d["target"]), options=options)
 
 

@@ -61,7 +61,6 @@ WORKER_ENV = (KERNEL_CACHE_ENV, MULTIPROC_ENV)  # set by the daemon for its work
 # numpy (imported by torch) starts an OpenBLAS thread per core at its import; a process that
 # forks must have no threads. torch's own matrix products do not use numpy's OpenBLAS.
 ZYGOTE_ENV = {"OPENBLAS_NUM_THREADS": "1"}
-COMPILE_AHEAD_TIMEOUT = 120.0  # seconds for the kernels compiled ahead; the first core waits for them up to then
 IDLE_GRACE = 0.1  # seconds a zygote waits for a fork request before idle work: a daemon with
 # a slot to fill asks within milliseconds of reading "ready"
 
@@ -99,6 +98,7 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
     from preload.worker.serve import serve_supervised
 
     log_output_to(log_path)
+    ahead.wait_compiled(spec)  # (a core forked while the zygote's children compile kernels ahead)
     sock = socket.socket(fileno=os.dup(listen_fd))
     serve = from_json(ServeOptions, spec["serve"] | {"dp_rank": spec.get("dp_rank", 0)})
     return serve_supervised(serve, spec["slot"], sock, link_fd, spec.get("role", "core"))
@@ -207,11 +207,10 @@ def main() -> None:
             msg, _ = next_request(control, idle_work)
             if msg is None:  # the daemon closed its end
                 return
-            if compiling and msg.get("role", "core") == "core":
-                compiling.finish(COMPILE_AHEAD_TIMEOUT)  # (before the first core: it finds them in the cache)
+            if compiling and compiling.settled():  # (reaped, the cache marked; else the forked cores wait for them)
                 compiling = None
-            pid, link = fork_worker(spec | {"dp_rank": msg.get("dp_rank", 0)}, msg["slot"], listen_fd, control,
-                                    msg.get("role", "core"))
+            pid, link = fork_worker(spec | {"dp_rank": msg.get("dp_rank", 0)} | (compiling.handed() if compiling else {}),
+                                    msg["slot"], listen_fd, control, msg.get("role", "core"))
             send(control, {"pid": pid}, [link.fileno()])
             link.close()
     except (BrokenPipeError, ConnectionResetError):  # the daemon died (the next one starts its own zygote)

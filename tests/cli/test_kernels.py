@@ -1,7 +1,7 @@
 """`preload kernels` says where the workers' kernel cache is and what its list holds;
 `preload kernels compile LIST` fills the cache from a list recorded on another host,
 without a GPU (as an image build runs it), adds the kernels to the cache's own list, and
-exits 1 naming each kernel it could not compile."""
+exits 3 naming each kernel it could not compile (1 on an error: no list, a damaged one)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_a_list_from_another_host_fills_this_cache_and_its_list(tmp_path, env):
 def test_kernels_that_do_not_compile_are_named_and_the_rest_compiled(tmp_path, env):
     good = rms_norm_spec(True, 512)[0]
     gone = json.dumps(json.loads(good) | {"name": "preload.kernels.fused_norm._renamed_since"})
-    r = preload(env, "kernels", "compile", a_list(tmp_path / "l.json", [gone, good]), code=1)
+    r = preload(env, "kernels", "compile", a_list(tmp_path / "l.json", [gone, good]), code=3)  # (an error: 1)
     assert "compiled 1 of 2" in r.stdout and "not compiled: preload.kernels.fused_norm._renamed_since" in r.stderr
     assert list(ahead.read_list(ahead.list_path(tmp_path / "cache")).values()) == [good]
 

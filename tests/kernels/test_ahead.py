@@ -82,10 +82,16 @@ def test_an_entry_that_cannot_compile_fails_alone_and_foreign_modules_are_refuse
     missing = json.dumps(json.loads(good) | {"name": "preload.kernels.fused_norm._no_such_kernel"})
     foreign = json.dumps(json.loads(good) | {"name": "os.system"})
     untargeted = json.dumps(json.loads(good) | {"target": None, "options": {"num_warps": 8}})
-    kernels, failed, _ = compile_list([missing, foreign, good, untargeted], processes=2)
-    assert kernels == 4 and set(failed) == {0, 1, 3}
+    # Recorded under another install: its libdevice path is not here (Triton's own is taken: the same key).
+    elsewhere = json.loads(good)
+    elsewhere["options"]["extern_libs"] = [["libdevice", "/elsewhere/triton/backends/nvidia/lib/libdevice.10.bc"]]
+    kernels, failed, _ = compile_list([missing, foreign, good, untargeted, json.dumps(elsewhere)], processes=2)
+    assert kernels == 5 and set(failed) == {0, 1, 3}, failed
     assert "_no_such_kernel" in failed[0] and "not a kernel of preload.kernels" in failed[1] and "no target" in failed[3]
     assert len(compiled_in(cache)) == 1
+    with pytest.raises(ValueError, match="not a kernel of preload.kernels"):  # (whoever calls: the zygote's path too)
+        ahead.compile_spec(json.dumps(json.loads(good) | {"name": "this.s"}))
+    assert "this" not in sys.modules
 
 
 def hook_call(recorder: ahead.Recorder, spec: str) -> bool:
@@ -151,8 +157,7 @@ def test_a_damaged_list_is_said_and_written_anew(tmp_path, caplog):
         ahead.read_list(ahead.list_path(tmp_path))
     recorder = ahead.Recorder(tmp_path)
     assert "not a kernel list" in caplog.text
-    ahead.list_path(tmp_path).unlink()
-    hook_call(recorder, rms_norm_spec(True, 512)[0])
+    hook_call(recorder, rms_norm_spec(True, 512)[0])  # (over the damaged file)
     assert len(ahead.read_list(ahead.list_path(tmp_path))) == 1
 
 
@@ -194,3 +199,34 @@ def test_children_that_outlast_the_wait_are_killed_and_reaped():
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_core_forked_while_kernels_compile_ahead_waits_for_them_and_a_front_does_not(tmp_path):
+    """The zygote answers forks at once while its children compile (a fork must be answered
+    within seconds); a core it forks meanwhile waits until they have all exited, or the
+    deadline passes, before its first step; a front goes on at once; each closes the pipe."""
+    import time
+
+    ready, held = os.pipe()
+    child = os.fork()
+    if child == 0:  # (a compiling child: holds the write end until it exits)
+        os.close(ready)
+        time.sleep(0.5)
+        os._exit(0)
+    os.close(held)
+    compiling = ahead.Compiling([child], tmp_path / "marker", ready)
+    assert not compiling.settled()
+    fd, until = compiling.handed()["compiles"]
+
+    def forked(role: str, deadline: float = until) -> float:  # (a forked worker's own copy of the fd)
+        copy, t0 = os.dup(fd), time.monotonic()
+        ahead.wait_compiled({"role": role, "compiles": [copy, deadline]})
+        with pytest.raises(OSError):
+            os.fstat(copy)
+        return time.monotonic() - t0
+
+    assert forked("front") < 0.2 and forked("core", time.monotonic() - 1) < 0.2  # (past the deadline: no wait)
+    assert 0.2 < forked("core") < 10
+    assert compiling.settled() and (tmp_path / "marker").exists()  # (reaped; all compiled: the cache marked)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)
