@@ -212,6 +212,9 @@ def sleep(state_dir, level, timeout):
     t0 = time.monotonic()
     _, s = _ask_and_wait(state_dir, {"op": "sleep", "level": level}, timeout,
                          lambda _, s: (s.get("sleep") or {}).get("asleep"), "asleep")
+    if s["sleep"].get("error"):  # (asleep, but the weights could not go where level 1 keeps them)
+        click.echo(f"preload: asleep (level {level}), but {s['sleep']['error']}", err=True)
+        sys.exit(1)
     held = s["sleep"]["host_bytes"] / 2**30
     click.echo(f"asleep (level {level}) in {time.monotonic() - t0:.2f} s; {held:.2f} GiB of weights held in host memory")
 
@@ -222,7 +225,15 @@ def sleep(state_dir, level, timeout):
 def wake(state_dir, timeout):
     """Serve again after `preload sleep`: the weights back (level 2: read again), a core in every slot."""
     t0 = time.monotonic()
-    _ask_and_wait(state_dir, {"op": "wake"}, timeout, lambda _, s: s["state"] == "ready", "ready")
+
+    def failed_wakes(s: dict) -> int:
+        return (s.get("sleep") or {}).get("failed_wakes", 0)
+
+    _, s = _ask_and_wait(state_dir, {"op": "wake"}, timeout,
+                         lambda before, s: s["state"] == "ready" or failed_wakes(s) > failed_wakes(before), "ready")
+    if s["state"] != "ready":
+        click.echo(f"preload: still asleep: {s['sleep']['error']} (`preload wake` tries again)", err=True)
+        sys.exit(1)
     click.echo(f"awake in {time.monotonic() - t0:.2f} s")
 
 

@@ -98,6 +98,8 @@ class Sleeper:
         self.since: float | None = None  # when the sleep was asked for (wall clock)
         self.asleep = False  # every core gone (and at level 2 the weights): the sleep is done
         self.stashes: list = []  # level 1 on a GPU: (host copy, manifest) of each copy of the weights
+        self.error: str | None = None  # what went wrong in the last sleep or wake (the weights stayed, or are not back)
+        self.failed_wakes = 0  # wakes that left it asleep (`preload wake` says so, and can try again)
         self._asked: queue.SimpleQueue = queue.SimpleQueue()
         self.poke = threading.Event()  # the main thread's wake-up
 
@@ -109,6 +111,10 @@ class Sleeper:
         if op == "sleep":
             if level not in LEVELS:
                 return {"ok": False, "error": f"sleep level {level!r}: 1 (keep the weights) or 2 (drop them)"}
+            kinds = {copy.arena.info().transport for copy in d.copies}
+            if level == 1 and d.r.device != "cpu" and kinds - {"cuda-vmm"}:
+                return {"ok": False, "error": f"sleep level 1 moves cuda-vmm arenas to host memory; these are {kinds}:"
+                        " level 2 frees the device (the weights are read again at wake)"}
         self._asked.put((op, level))
         self.poke.set()
         return {}
@@ -126,11 +132,12 @@ class Sleeper:
             return None
         on_host = self.d.r.device == "cpu"
         held = [copy.arena.size for copy in self.d.copies] if on_host else [s.info.size for s, _ in self.stashes]
-        return {"level": self.level, "since": self.since, "asleep": self.asleep, "host_bytes": sum(held)}
+        return {"level": self.level, "since": self.since, "asleep": self.asleep, "host_bytes": sum(held),
+                "error": self.error, "failed_wakes": self.failed_wakes}
 
     def _sleep(self, level: int) -> None:
         d = self.d
-        d.state, self.level, self.since = "sleeping", level, time.time()
+        d.state, self.level, self.since, self.error, self.failed_wakes = "sleeping", level, time.time(), None, 0
         d.supervisor.sleep(level)
         deadline = time.monotonic() + CORES_GONE_TIMEOUT
         while d.supervisor.status().get("cores_left", 1) and time.monotonic() < deadline:
@@ -144,12 +151,18 @@ class Sleeper:
 
     def _wake(self) -> None:
         d = self.d
-        d.state, self.asleep = "waking", False
+        d.state, self.asleep, self.error = "waking", False, None
         t0 = time.monotonic()
-        if self.stashes:
-            self._from_host()
-        elif not d.copies:
-            d.load_again()
+        try:
+            if self.stashes:
+                self._from_host()
+            elif not d.copies:
+                d.load_again()
+        except Exception as e:  # noqa: BLE001 (the device taken meanwhile, the files gone: asleep still, not dead)
+            log.error("wake: the weights are not back (%s); still asleep: `preload wake` tries again", e, exc_info=True)
+            d.state, self.asleep, self.error = "sleeping", True, f"the wake failed: {e}"
+            self.failed_wakes += 1
+            return
         d.state = "waking"  # (a load said "loading" meanwhile)
         d.supervisor.sleep(None)
         deadline = time.monotonic() + d.opts.worker_start_timeout
@@ -173,6 +186,7 @@ class Sleeper:
                 self.stashes.append((host_stash.stash(copy.arena.info(), copy.arena.fds()[0]), copy.manifest))
         except Exception as e:  # noqa: BLE001 (host memory short, a driver error: the weights stay where they are)
             log.error("sleep level 1: the weights could not be copied to host memory (%s); they stay on the device", e)
+            self.error = f"the weights could not be copied to host memory ({e}): they stay on the device"
             self._drop_stashes()
             return
         log.info("sleep level 1: %d bytes of weights copied to host memory in %.2f s",
@@ -190,13 +204,13 @@ class Sleeper:
             for held, manifest in self.stashes:
                 arena = host_stash.restore(held)
                 copies.append(Loaded(arena, replace(manifest, arena=arena.info())))
-        except BaseException:
+            self.d.load_again(copies)
+        except BaseException:  # (the host copies stay, for the next wake)
             for copy in copies:
                 copy.arena.close()
+            self.d.copies = []
             raise
-        finally:
-            self._drop_stashes()
-        self.d.load_again(copies)
+        self._drop_stashes()
         log.info("wake: %d bytes of weights back on the device in %.2f s", sum(c.arena.size for c in copies),
                  time.monotonic() - t0)
 

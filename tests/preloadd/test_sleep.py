@@ -136,3 +136,27 @@ def test_cycles_of_sleep_and_wake_leave_nothing_behind(tiny_checkpoint, tmp_path
         assert wait_for(lambda: daemon.num_fds() <= fds, timeout=10), (daemon.num_fds(), fds)  # (none gained a cycle)
         assert wait_for(lambda: len(daemon.children(recursive=True)) == children, timeout=30), daemon.children(True)
         assert os.listdir(d.state_dir / "metrics")  # (the workers' series are still served)
+
+
+def test_a_wake_that_cannot_bring_the_weights_back_leaves_it_asleep_and_the_next_one_can(tiny_checkpoint, tmp_path):
+    """A wake that fails (here level 2's files gone meanwhile; on a GPU, level 1's device
+    memory taken by another process) leaves the daemon asleep and alive, says why, and a
+    later `preload wake` brings the same weights back."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    port = free_port()
+    with running_daemon(tmp_path / "state", model, *start_args(port)) as d:
+        before = text(port)
+        sleep(d, "--level", 2)
+        model.rename(tmp_path / "moved")
+        r = preload("wake", "--state-dir", d.state_dir, timeout=300)
+        assert r.returncode == 1 and "still asleep: the wake failed" in r.stderr, r.stdout + r.stderr
+        s = d.status()
+        assert s["state"] == "sleeping" and s["sleep"]["asleep"] and s["sleep"]["failed_wakes"] == 1, s["sleep"]
+        (tmp_path / "moved").rename(model)
+        wake(d)
+        s = d.status()
+        assert s["state"] == "ready" and s["sleep"] is None
+        assert text(port) == before
