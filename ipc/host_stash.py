@@ -16,6 +16,7 @@ import ctypes
 import mmap
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -52,6 +53,22 @@ class HostStash:
             self.pinned = False
         self.map.close()
         os.close(self.fd)
+
+
+def host_room() -> int:
+    """Bytes this process can still take in host memory: the kernel's MemAvailable, or less
+    where its cgroup (v2) caps it. (A stash larger than this would not fail: the OOM killer
+    would pick a process, the daemon likeliest.)"""
+    import psutil
+
+    room = psutil.virtual_memory().available
+    try:
+        cap = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cap != "max":
+            room = min(room, int(cap) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return room
 
 
 def stash(info: ArenaInfo, fd: int) -> HostStash:

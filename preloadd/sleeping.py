@@ -78,6 +78,7 @@ def tell(front: Worker, msg: dict) -> None:
 
 LEVELS = (1, 2)
 CORES_GONE_TIMEOUT = 30.0  # seconds for every core killed at sleep to be reaped
+HOST_SHARE = 0.9  # of the host memory free that a level-1 sleep may take for the weights (the rest: everyone else)
 
 
 class Sleeper:
@@ -180,8 +181,10 @@ class Sleeper:
         device: said, and the sleep frees the cores' memory alone)."""
         from preload.ipc import host_stash
 
-        t0 = time.monotonic()
+        t0, need, room = time.monotonic(), sum(copy.arena.size for copy in self.d.copies), host_stash.host_room()
         try:
+            if need > room * HOST_SHARE:
+                raise MemoryError(f"{need / 2**30:.1f} GiB of weights, {room / 2**30:.1f} GiB of host memory free")
             for copy in self.d.copies:
                 self.stashes.append((host_stash.stash(copy.arena.info(), copy.arena.fds()[0]), copy.manifest))
         except Exception as e:  # noqa: BLE001 (host memory short, a driver error: the weights stay where they are)
