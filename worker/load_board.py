@@ -71,18 +71,20 @@ class GatedSocket(socket.socket):
     accept() when it is readable): declined (BlockingIOError: "nothing to accept") while this
     front's load exceeds a live peer's, for at most DEFER seconds of an episode; then taken.
     `load()`: its open connections; those it accepted since the last `publish()` count too
-    (the server registers them a loop turn later), so that a burst spreads as it arrives."""
+    (the server registers them a loop turn later), so that a burst spreads as it arrives,
+    but once only (those the server has registered since are in both)."""
 
     def __init__(self, sock: socket.socket, board: LoadBoard, load: Callable[[], int]):
         super().__init__(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno()))
         self.board, self.load = board, load
         self._episode = -1.0  # when the deferral under way began
         self._accepted = 0  # since the last publish()
+        self._published = 0  # the load then
 
     def publish(self) -> None:
         """The load as it stands (a front calls this every PUBLISH seconds: its cell stays live)."""
-        self._accepted = 0
-        self.board.publish(self.load())
+        self._accepted, self._published = 0, self.load()
+        self.board.publish(self._published)
 
     def accept(self):
         try:
@@ -100,7 +102,7 @@ class GatedSocket(socket.socket):
     def _declines(self) -> tuple[int, bool]:
         """This front's load, and whether to leave the waiting connection to a peer."""
         now = time.monotonic()
-        mine = self.load() + self._accepted
+        mine = max(self.load(), self._published + self._accepted)
         self.board.publish(mine, now)
         if now - self._episode > 2 * DEFER:  # (a connection waits after a quiet spell: a new episode)
             self._episode = now

@@ -92,6 +92,16 @@ def test_the_board_counts_only_live_peers_and_a_fronts_own_accepts_at_once(tmp_p
     assert c.least_other() == 0  # (published as it stands: load() says 0)
     for client in clients:
         client.close()
+    # A server that has registered its accepts already: each counted once, not twice.
+    registered = []
+    gated = GatedSocket(sock, a, lambda: len(registered))
+    clients = [connect(sock) for _ in range(2)]
+    time.sleep(0.05)
+    for _ in range(2):
+        registered.append(gated.accept()[0])
+    assert c.least_other() == 2
+    for conn in registered + clients:
+        conn.close()
 
 
 def test_long_requests_arriving_one_by_one_are_spread_over_both_fronts(tiny_checkpoint, tmp_path):
