@@ -142,8 +142,8 @@ class Adoption:
             return f"slot {slot!r} is not one of this daemon's {slots}"
         if claim.get("role") != "front" and not self.took_back:  # (its mapping would keep a second copy alive)
             return "it maps the weights the last daemon held; this one loaded them again"
-        if claim.get("role") != "front" and claim.get("dp_rank", 0) != dp_rank(slot):
-            return f"it maps the copy of data-parallel rank {claim.get('dp_rank', 0)}, slot {slot} is rank {dp_rank(slot)}'s"
+        if claim.get("dp_rank", 0) != dp_rank(slot):  # (a core maps that rank's copy; a front names it in /metrics)
+            return f"it serves data-parallel rank {claim.get('dp_rank', 0)}, slot {slot} is rank {dp_rank(slot)}'s"
         if not vacant(slot):
             return f"slot {slot} has a {'front' if claim.get('role') == 'front' else 'worker'} already"
         return None

@@ -229,7 +229,7 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
         reading, publishing = asyncio.ensure_future(client.run()), None
         try:
             await client.hello.wait()
-            link.claim = {"role": "front", "fingerprint": client.info["fingerprint"],
+            link.claim = {"role": "front", "fingerprint": client.info["fingerprint"], "dp_rank": opts.dp_rank,
                           "listen": list(sock.getsockname()[:2])}  # (what a new daemon is told of us)
             app = create_app(client, client.tokenizer, client.info["model"], state, w)
             app.state.serving.metrics.worker = str(slot)

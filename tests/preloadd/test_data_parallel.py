@@ -108,7 +108,8 @@ def test_a_new_daemon_takes_back_every_copy_and_worker_and_one_of_another_size_l
 
 def test_an_orphan_core_is_taken_back_only_into_a_slot_of_the_rank_whose_copy_it_maps():
     """A daemon restarted with other --workers places ranks differently: the core of old
-    slot 1 (rank 1 with one worker a rank) maps rank 1's copy, and slot 1 is rank 0's now."""
+    slot 1 (rank 1 with one worker a rank) maps rank 1's copy, and slot 1 is rank 0's now;
+    its front, which labels its series with rank 1, goes too."""
     from preload.preloadd.orphans import Adoption
 
     adoption = Adoption(None, "fp", ["127.0.0.1", 8000], {})
@@ -116,8 +117,10 @@ def test_an_orphan_core_is_taken_back_only_into_a_slot_of_the_rank_whose_copy_it
     core = {"pid": 1, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "dp_rank": 1}
     assert "slot 1 is rank 0's" in adoption.verdict(core | {"slot": 1}, 4, lambda s: True, two_a_rank)
     assert adoption.verdict(core | {"slot": 3}, 4, lambda s: True, two_a_rank) is None
-    front = {"pid": 2, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "role": "front", "slot": 1}
-    assert adoption.verdict(front, 4, lambda s: True, two_a_rank) is None  # (a front maps no weights)
+    # A front maps no weights, but its /metrics name its rank (`engine`): it too goes only where that holds.
+    front = {"pid": 2, "fingerprint": "fp", "listen": ["127.0.0.1", 8000], "role": "front", "dp_rank": 1}
+    assert "slot 1 is rank 0's" in adoption.verdict(front | {"slot": 1}, 4, lambda s: True, two_a_rank)
+    assert adoption.verdict(front | {"slot": 2}, 4, lambda s: True, two_a_rank) is None
 
 
 def test_a_tensor_parallel_group_maps_its_slots_copy_in_every_process(tiny_checkpoint, tmp_path, one_rank):
