@@ -104,7 +104,14 @@ def take(dest: Path) -> dict:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise SnapshotError(f"{dest} exists and is not an empty folder")
     work = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-    (work / IMAGE).mkdir(parents=True, mode=0o700)
+    try:
+        (work / IMAGE).mkdir(parents=True, mode=0o700)
+        return _dump_zygote(criu, work, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _dump_zygote(criu: str, work: Path, dest: Path) -> dict:
     t0 = time.monotonic()
     high_pid()
     # On a GPU host its workers' zygote imports their Triton kernels too (its idle work): done before the dump.
@@ -122,19 +129,20 @@ def take(dest: Path) -> dict:
         if r.returncode != 0:
             raise SnapshotError(f"criu dump: {criu_reason(_log(work / IMAGE / 'dump.log'))}")
         z.proc.wait()
-        meta = {"code_version": z.version, "packages_version": packages_version(), "pid": parked["pid"], "socket": parked["socket"], "kernels_imported": kernels,
-                "python": sys.executable, "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(work)),
-                "criu": _criu([criu, "--version"]).stdout.partition("Version:")[2].split("\n")[0].strip(), "taken": time.time(),
-                "import_seconds": round(imported, 3), "dump_seconds": round(time.monotonic() - t0 - imported, 3),
-                "image_bytes": sum(p.stat().st_size for p in (work / IMAGE).iterdir())}
-        (work / META).write_text(json.dumps(meta, indent=1) + "\n")
-        if dest.exists():
-            dest.rmdir()
-        work.rename(dest)
-        return meta
     finally:
         z.discard()
-        shutil.rmtree(work, ignore_errors=True)
+    meta = {"code_version": z.version, "packages_version": packages_version(), "pid": parked["pid"],
+            "socket": parked["socket"], "kernels_imported": kernels, "python": sys.executable,
+            "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(work)),
+            "criu": _criu([criu, "--version"]).stdout.partition("Version:")[2].split("\n")[0].strip(),
+            "taken": time.time(), "import_seconds": round(imported, 3),
+            "dump_seconds": round(time.monotonic() - t0 - imported, 3),
+            "image_bytes": sum(p.stat().st_size for p in (work / IMAGE).iterdir())}
+    (work / META).write_text(json.dumps(meta, indent=1) + "\n")
+    if dest.exists():
+        dest.rmdir()
+    work.rename(dest)
+    return meta
 
 
 def restore(src: Path, state_dir: Path) -> Zygote:
