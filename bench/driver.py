@@ -135,15 +135,23 @@ def start_daemon(state_dir: Path, model: Path | None, *extra, port: int | None =
     try:
         result = preload(*args, timeout=timeout)
     except subprocess.TimeoutExpired:
+        tail = _logs_tail(Path(state_dir))  # (before the stop: what it was waiting for)
         stop_everything(state_dir)
-        raise DaemonError(f"preload start not ready within {timeout:.0f} s") from None
+        raise DaemonError(f"preload start not ready within {timeout:.0f} s:\n{tail}") from None
     match = re.search(r"\(pid (\d+)\)", result.stdout)
     if result.returncode != 0 or not match:
         stop_everything(state_dir)
-        log = Path(state_dir) / "daemon.log"
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        raise DaemonError(f"preload start failed ({result.returncode}):\n{result.stdout}{result.stderr}\n{tail}")
+        raise DaemonError(f"preload start failed ({result.returncode}):\n{result.stdout}{result.stderr}\n"
+                          f"{_logs_tail(Path(state_dir))}")
     return Daemon(Path(state_dir), port, int(match.group(1)), model, result, api_port)
+
+
+def _logs_tail(state_dir: Path, chars: int = 3000) -> str:
+    """The end of the daemon's log and of each worker's, front's and spare's: a start that
+    failed or hung says why there."""
+    logs = [state_dir / "daemon.log", *sorted(state_dir.glob("worker-*.log")), *sorted(state_dir.glob("front-*.log")),
+            state_dir / "spares.log"]
+    return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-chars:]}" for log in logs if log.exists())
 
 
 @contextmanager

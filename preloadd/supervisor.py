@@ -367,8 +367,8 @@ class Supervisor:
             log.error("replacement for worker %d (pid %d) %s before taking over; the old one keeps serving",
                       worker.slot, worker.pid, reason)
             return
-        if worker.role == "front":  # (the channel it bound goes with it: the slot's next front binds a new one)
-            if self.opts.state_dir is not None:
+        if worker.role == "front":  # (the channel it bound goes with it, unless a successor bound the path since)
+            if self.opts.state_dir is not None and self.front_of(worker.slot) is None:
                 slot_socket_path(self.opts.state_dir, worker.slot).unlink(missing_ok=True)
             record = self.front_slots[worker.slot]
         else:
