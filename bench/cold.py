@@ -300,18 +300,21 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
             elif warmup and quants:
                 progress(f"warm-up launch (quant {quants[0]}, not recorded)")
                 run_start(model, quants[0], device, workers)
-            starts = {}
-            for quant in quants:
+            def timed(quant: str, restore: Path | None = None) -> dict:
+                """`repeat` starts, summarized, with their ratios over `cat` of the files."""
+                said = f"preload start --quant {quant}" + (" --restore" if restore else "")
                 runs = []
                 for i in range(repeat):
-                    progress(f"preload start --quant {quant} ({i + 1}/{repeat})")
-                    runs.append(run_start(model, quant, device, workers))
-                starts[quant] = summarize_starts(runs, warm_s, first_s)
-                starts[quant]["ratio_ready_over_cat"] = starts[quant]["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
-                starts[quant]["ratio_load_over_cat"] = starts[quant]["load_seconds"]["p50"] / result["cat_files"]["p50"]
+                    progress(f"{said} ({i + 1}/{repeat})")
+                    runs.append(run_start(model, quant, device, workers, restore))
+                s = summarize_starts(runs, warm_s, first_s)
+                s["ratio_ready_over_cat"] = s["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
+                s["ratio_load_over_cat"] = s["load_seconds"]["p50"] / result["cat_files"]["p50"]
+                return s
+
+            starts = {quant: timed(quant) for quant in quants}
             if snapshot:
-                result["snapshot"] = restored_starts(model, quants, repeat, device, workers, starts, result, warm_s,
-                                                     first_s, progress)
+                result["snapshot"] = restored_starts(quants, starts, timed, progress)
         finally:
             if saved is None:
                 os.environ.pop(KERNEL_CACHE_ENV, None)
@@ -333,10 +336,10 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
     return finish(result, t0)
 
 
-def restored_starts(model: Path, quants: list[str], repeat: int, device: str, workers: int, starts: dict,
-                    result: dict, warm_s: float, first_s: float, progress) -> dict:
+def restored_starts(quants: list[str], starts: dict, timed, progress) -> dict:
     """`preload snapshot` (a zygote, its imports done: preloadd/snapshot.py), then the same
-    starts with --restore, into `starts` as "<quant> --restore"; what snapshot.json says."""
+    starts with --restore (`timed`), into `starts` as "<quant> --restore"; what
+    snapshot.json says."""
     with tempfile.TemporaryDirectory(prefix="preload-bench-snapshot-") as tmp:
         dest = Path(tmp) / "snapshot"
         progress("preload snapshot (CRIU)")
@@ -344,13 +347,7 @@ def restored_starts(model: Path, quants: list[str], repeat: int, device: str, wo
         if taken.returncode != 0:
             raise RuntimeError(f"preload snapshot exited {taken.returncode}: {taken.stdout}{taken.stderr}")
         for quant in quants:
-            runs = []
-            for i in range(repeat):
-                progress(f"preload start --quant {quant} --restore ({i + 1}/{repeat})")
-                runs.append(run_start(model, quant, device, workers, restore=dest))
-            s = starts[f"{quant} --restore"] = summarize_starts(runs, warm_s, first_s)
-            s["ratio_ready_over_cat"] = s["start_to_ready_s"]["p50"] / result["cat_files"]["p50"]
-            s["ratio_load_over_cat"] = s["load_seconds"]["p50"] / result["cat_files"]["p50"]
+            starts[f"{quant} --restore"] = timed(quant, dest)
         return json.loads((dest / "snapshot.json").read_text())
 
 

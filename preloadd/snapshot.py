@@ -43,10 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-from preload.preloadd.state_dir import METRICS_DIR, MULTIPROC_ENV
 from preload.ipc.devices import cuda_device_count
 from preload.preloadd.install import code_version, packages_version
-from preload.preloadd.zygote import WORKER_ENV, ZYGOTE_ENV, Zygote, receive, send
+from preload.preloadd.state_dir import MULTIPROC_ENV
+from preload.preloadd.zygote import WORKER_ENV, Zygote, environment, receive, send
 
 CRIU_ENV = "PRELOAD_CRIU"  # the criu binary, if not the one on PATH
 META = "snapshot.json"  # beside the image: what it was taken from
@@ -85,11 +85,6 @@ def criu_reason(text: str) -> str:
     return "; ".join(errors[:4]) or (text.strip().splitlines() or ["no output"])[-1]
 
 
-def zygote_env(state_dir: Path) -> dict[str, str]:
-    """The environment a zygote of `state_dir` imports with (as zygote.launch_early gives it)."""
-    return os.environ | ZYGOTE_ENV | {MULTIPROC_ENV: str(state_dir / METRICS_DIR)}
-
-
 def import_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if IMPORT_ENV.match(k) and k not in WORKER_ENV} | \
         {MULTIPROC_ENV: "set" if MULTIPROC_ENV in env else "unset"}  # (prometheus-client's choice at import)
@@ -116,7 +111,7 @@ def _dump_zygote(criu: str, work: Path, dest: Path) -> dict:
     high_pid()
     # On a GPU host its workers' zygote imports their Triton kernels too (its idle work): done before the dump.
     kernels = cuda_device_count() > 0
-    z = Zygote(work, code_version(), {MULTIPROC_ENV: str(work / METRICS_DIR)}, park="kernels" if kernels else "imports")
+    z = Zygote(work, code_version(), park="kernels" if kernels else "imports")
     try:
         z.sock.settimeout(PARK_TIMEOUT)
         parked, _ = receive(z.sock)
@@ -133,7 +128,7 @@ def _dump_zygote(criu: str, work: Path, dest: Path) -> dict:
         z.discard()
     meta = {"code_version": z.version, "packages_version": packages_version(), "pid": parked["pid"],
             "socket": parked["socket"], "kernels_imported": kernels, "python": sys.executable,
-            "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(zygote_env(work)),
+            "cpus": len(os.sched_getaffinity(0)), "import_env": import_env(environment(work)),
             "criu": _criu([criu, "--version"]).stdout.partition("Version:")[2].split("\n")[0].strip(),
             "taken": time.time(), "import_seconds": round(imported, 3),
             "dump_seconds": round(time.monotonic() - t0 - imported, 3),
@@ -151,7 +146,7 @@ def restore(src: Path, state_dir: Path) -> Zygote:
     from preload.preloadd.workers import become_subreaper
 
     meta = read_meta(src)
-    env = zygote_env(state_dir)
+    env = environment(state_dir)
     _check_like(meta, env)
     criu = criu_binary()
     become_subreaper()  # (criu exits once it has restored: the zygote must come to us, not to init)

@@ -247,9 +247,15 @@ def park(control: socket.socket) -> str:
 
 def launch_early(state_dir: Path) -> Zygote:
     """A cold start's first zygote, launched before the daemon imports anything heavy
-    (cli/start.py). Its workers' metrics dir goes into its environment now:
-    prometheus-client decides at its import whether it writes its series to files."""
-    return Zygote(state_dir, code_version(), {MULTIPROC_ENV: str(state_dir / METRICS_DIR)})
+    (cli/start.py)."""
+    return Zygote(state_dir, code_version())
+
+
+def environment(state_dir: Path) -> dict[str, str]:
+    """What a zygote of `state_dir` imports with: our environment, ZYGOTE_ENV, and its
+    workers' metrics dir (prometheus-client decides at its import whether it writes its
+    series to files: set before it, even where the daemon has not set its own yet)."""
+    return os.environ | ZYGOTE_ENV | {MULTIPROC_ENV: str(state_dir / METRICS_DIR)}
 
 
 def worker_spec(serve: ServeOptions, gpu: bool = False) -> dict:
@@ -261,18 +267,17 @@ def worker_spec(serve: ServeOptions, gpu: bool = False) -> dict:
 class Zygote:
     """The daemon's handle on a zygote process. It is launched at once and spends
     seconds importing; `configure` gives it what its workers start with; its `sock`
-    becomes readable when it is ready (`accept_ready`). `env`: set in its environment
-    before its imports (the daemon's own, if it has set them already, is inherited)."""
+    becomes readable when it is ready (`accept_ready`). It imports with `environment`."""
 
     restore: dict | None = None  # a start's first zygote with --restore: from the snapshot, or why not (cli/start.py)
 
-    def __init__(self, state_dir: Path, version: str, env: dict[str, str] | None = None, park: str | None = None):
+    def __init__(self, state_dir: Path, version: str, park: str | None = None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, "-m", "preload.preloadd.zygote", str(state_dir), str(theirs.fileno())]
         try:  # (`park`: to be dumped after its "imports" or also the "kernels" (snapshot.py); CRIU takes a
             # process that leads its own session)
             self.proc = subprocess.Popen(cmd + (["--park", park] if park else []), pass_fds=(theirs.fileno(),),
-                                         env=os.environ | ZYGOTE_ENV | (env or {}), start_new_session=bool(park))
+                                         env=environment(state_dir), start_new_session=bool(park))
         except BaseException:
             ours.close()
             raise
