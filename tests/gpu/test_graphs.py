@@ -10,10 +10,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_steps import run_to_end
 from greedy import assert_same_greedy
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
 
 pytestmark = pytest.mark.gpu
 
@@ -84,6 +87,28 @@ def test_steps_launched_ahead_give_exactly_what_steps_one_at_a_time_give(pair, c
         del pipeline._launch
     assert any(launched)
     for a, b in zip(ahead + greedy_ahead, alone + greedy_alone):
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+
+
+def test_requests_ending_by_length_at_different_steps_give_what_steps_one_at_a_time_give(pair):
+    """Requests of 5 to 29 tokens, greedy and seeded: each end by length leaves the others
+    launched ahead, their draws picked on the device; the same bits as one at a time."""
+    graphed, _ = pair
+    engine, pipeline = graphed.engine, graphed.engine.pipeline
+
+    def make():
+        return [Sequence(p, SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True, logprobs=3, seed=i,
+                                           temperature=0.7 if i % 2 else 0.0))
+                for i, p in enumerate(prompts(9, seed=5))]
+
+    ahead = run_to_end(engine, make())
+    engine.pipeline = None
+    try:
+        alone = run_to_end(engine, make())
+    finally:
+        engine.pipeline = pipeline
+    assert [len(o.token_ids) for o in ahead.values()] == [5 + 3 * i for i in range(9)]
+    for a, b in zip(ahead.values(), alone.values()):
         assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
 
 

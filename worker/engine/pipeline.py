@@ -14,11 +14,13 @@ needs of it comes back in one copy that the next launch does not wait for.
 What it costs: a sequence that step k finishes (a stop token, a stop string, an abort)
 was computed once more in k+1 for nothing; that step's cache write lands in blocks the
 sequence has released, before (in the stream's order) anyone else can be given them.
-Sequences that end by length are not launched ahead. What it needs, else steps run one
-at a time as without it: sampling that does not read the host's copy of the output
-(penalties, logit steering, grammars and logits processors do), no drafting, no prompt
-being scored, the same sequences still running and nobody waiting, and cache blocks for
-the next position. On a CPU nothing runs asynchronously, so the engine does not use it.
+A sequence whose step-k token is its last by length is known ahead: step k+1 is
+launched without it, the others' draws picked on the device (a batch whose requests end
+at different lengths would otherwise run a step one at a time at every end). What it
+needs, else steps run one at a time as without it: sampling that does not read the
+host's copy of the output (penalties, logit steering, grammars and logits processors
+do), no drafting, no prompt being scored, the same sequences still running and nobody
+waiting, and cache blocks for the next position. On a CPU nothing runs asynchronously, so the engine does not use it.
 """
 
 from __future__ import annotations
@@ -72,10 +74,15 @@ class DecodePipeline:
             if any(n != 1 for _, n in batch) or len(batch) != len(self.engine.scheduler.running):
                 return self.engine.run(batch)  # (not the whole running batch: the step's budget, or a preemption)
             flight = self._launch([seq for seq, _ in batch], [seq.computed for seq, _ in batch])
-        if self._continues(flight):
-            for seq, start in zip(flight.seqs, flight.starts):
-                self.engine.blocks.grow(seq, start + 2)
-            self.flight = self._launch(flight.seqs, [start + 1 for start in flight.starts], flight.tokens)
+        keep = self._continuing(flight)
+        if keep:
+            seqs, starts = [flight.seqs[i] for i in keep], [flight.starts[i] + 1 for i in keep]
+            for seq, start in zip(seqs, starts):
+                self.engine.blocks.grow(seq, start + 1)
+            tokens = flight.tokens
+            if len(keep) < len(flight.seqs):  # (an index copied to the device in the stream's order: no wait)
+                tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
+            self.flight = self._launch(seqs, starts, tokens)
         return self._land(flight)
 
     def _steady(self, seqs: list[Sequence]) -> bool:
@@ -89,19 +96,19 @@ class DecodePipeline:
         return all(seq.pending == 1 and not seq.drafts and not seq.wants_prompt_logprobs and not seq.params.shapes_logits
                    for seq in seqs)
 
-    def _continues(self, flight: Flight) -> bool:
-        """Whether the step after `flight` may be launched now: its draws are on the device,
-        the same batch runs on (none finished or aborted, none about to end by length),
-        and there are blocks for the next position."""
+    def _continuing(self, flight: Flight) -> list[int]:
+        """Which of `flight`'s sequences the step after it carries, if it may be launched
+        now (else none): its draws are on the device, the same batch runs on (none
+        finished or aborted), and there are blocks for the next position. Those whose
+        token in `flight` is their last by length are left out."""
         e = self.engine
         if flight.tokens is None or len(e.scheduler.running) != len(flight.seqs) or any(s.finished for s in flight.seqs):
-            return False
+            return []
         if not self._steady(e.scheduler.running):
-            return False
-        if any(len(seq.output) + 1 >= seq.params.max_tokens for seq in flight.seqs):  # this step's token is a last one
-            return False
-        blocks = sum(e.blocks.blocks_needed(seq, start + 2) for seq, start in zip(flight.seqs, flight.starts))
-        return blocks <= e.blocks.num_blocks - e.blocks.used  # (free, or cached and evictable)
+            return []
+        keep = [i for i, seq in enumerate(flight.seqs) if len(seq.output) + 1 < seq.params.max_tokens]
+        blocks = sum(e.blocks.blocks_needed(flight.seqs[i], flight.starts[i] + 2) for i in keep)
+        return keep if blocks <= e.blocks.num_blocks - e.blocks.used else []  # (free, or cached and evictable)
 
     def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None = None) -> Flight:
         """Compute one token of each of `seqs` from `starts` (inputs: `tokens` on the device,

@@ -68,6 +68,22 @@ def test_greedy_outputs_are_the_same_and_steps_are_launched_ahead(engine, monkey
     assert launched and max(launched) == 3  # the whole batch, launched ahead
 
 
+def test_requests_ending_by_length_leave_the_others_launched_ahead(engine, monkeypatch):
+    """The three requests end at 6, 9 and 12 tokens: the steps after each end are still
+    launched ahead, carrying the others (their draws picked on the device), so only the
+    first decode step comes from the host's tokens."""
+    from_host, forward = [], engine.forward
+    monkeypatch.setattr(engine, "forward", lambda spans, rows, tokens=None: (
+        from_host.append(len(spans)) if tokens is None and all(n == 1 for _, _, n in spans) else None,
+        forward(spans, rows, tokens))[1])
+    launched = count_launches_ahead(engine, monkeypatch)
+    alone, _ = same(engine, requests)
+    from_host.clear(), launched.clear()
+    run(engine, requests(), pipelined=True)
+    assert from_host == [3]  # (the first decode step)
+    assert launched == [3] * 4 + [2] * 3 + [1] * 3  # (their 2nd to 6th, 7th to 9th, 10th to 12th tokens)
+
+
 def test_seeded_sampling_and_logprobs_are_the_same(engine):
     alone, ahead = same(engine, lambda: requests(temperature=0.9, top_p=0.9, seed=7, logprobs=3))
     for a, b in zip(alone, ahead):
