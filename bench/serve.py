@@ -18,7 +18,11 @@ What is reported:
 - ITL: the gaps between consecutive token-carrying chunks of a request, as a client
   sees them (the worker sends one chunk per engine step, so one gap per token);
 - TPOT: per request, (last chunk - first chunk) / (output tokens - 1);
-- end-to-end latency per request; and failures (non-200, broken stream, short output).
+- end-to-end latency per request; and failures (non-200, broken stream, short output);
+- from the worker's /metrics, scraped before and after (where it has them): the engine
+  steps the run took by kind, their mean time, and the share of the decode steps
+  launched ahead that the host spent waiting on the GPU (worker/engine/step_clock.py):
+  whether decoding was bound by the GPU or by the host.
 
 With `rolling_restarts` (and the daemon's state dir), the same requests run a second
 time while `preload restart` replaces every worker that many times in a row, from the
@@ -42,6 +46,9 @@ from preload.bench.driver import preload
 from preload.bench.results import host_info, quantiles
 
 PERCENTILES = (50, 90, 99)
+STEP_SERIES = {"preload_engine_steps_total": "steps", "preload_engine_step_seconds_total": "seconds",
+               "preload_engine_gpu_wait_seconds_total": "gpu_wait"}
+STEPS_SETTLE = 0.3  # seconds for the workers' last step figures to reach /metrics (a beat) after the run
 RESTART_TIMEOUT = 600.0  # seconds for one `preload restart` round
 
 
@@ -185,10 +192,13 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
             if bad:
                 raise RuntimeError(f"warm-up failed: {bad[0]}")
         progress(f"{requests} requests, {concurrency} concurrent")
+        steps_before = await engine_steps(client)
         records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
+        await asyncio.sleep(STEPS_SETTLE)
         result = summarize(records, wall, info | {"url": url, "vocab": vocab}, {
             "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len),
             "output_len": list(output_len), "seed": seed, "warmup": warmup})
+        result["engine_steps"] = steps_taken(steps_before, await engine_steps(client))
         if rolling_restarts:
             progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
             t0 = time.perf_counter()
@@ -196,6 +206,41 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
             records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout, rounds)
             result["under_restarts"] = figures(records, wall) | {"restarts": await rounds}
     return result
+
+
+async def engine_steps(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """The worker's engine step totals now (summed over its workers), or None where its
+    /metrics has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in STEP_SERIES:
+                key = STEP_SERIES[sample.name] + (f" {sample.labels['kind']}" if "kind" in sample.labels else "")
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals or None
+
+
+def steps_taken(before: dict | None, after: dict | None) -> dict | None:
+    """What the run's steps were: each kind's count and mean ms, and the host's wait on
+    the GPU as a share of the launched-ahead steps' time."""
+    if before is None or after is None:
+        return None
+    gained = {k: after[k] - before.get(k, 0.0) for k in after}
+    kinds = {k.split(" ", 1)[1] for k in gained if k.startswith("steps ")}
+    out = {kind: {"steps": int(gained[f"steps {kind}"]), "seconds": gained.get(f"seconds {kind}", 0.0),
+                  "ms_per_step": 1e3 * gained.get(f"seconds {kind}", 0.0) / gained[f"steps {kind}"]
+                  if gained[f"steps {kind}"] else None} for kind in sorted(kinds)}
+    ahead = out.get("decode_ahead", {}).get("seconds", 0.0)
+    out["gpu_wait_s"] = gained.get("gpu_wait", 0.0)
+    out["gpu_wait_share"] = out["gpu_wait_s"] / ahead if ahead else None
+    return out
 
 
 async def closed_loop(client: httpx.AsyncClient, model: str, work: list, concurrency: int,
@@ -294,6 +339,15 @@ def run_lines(run: dict) -> list[str]:
                        ("tpot_s", "time per output token"), ("latency_s", "request latency")):
         p = run[key] or dict.fromkeys(("p50", "p90", "p99", "mean"), None) | {"n": 0}
         lines.append(f"{label:<22}{_ms(p['p50']):>10}{_ms(p['p90']):>10}{_ms(p['p99']):>10}{_ms(p['mean']):>10}{p['n']:>8}")
+    steps = run.get("engine_steps")
+    if steps:
+        kinds = [k for k in ("prompt", "decode", "decode_ahead") if k in steps]
+        lines += ["", "engine steps: " + ", ".join(
+            f"{k} {steps[k]['steps']} x {_ms(steps[k]['ms_per_step'] and steps[k]['ms_per_step'] / 1e3)} ms"
+            for k in kinds)]
+        if steps["gpu_wait_share"] is not None:
+            lines.append(f"decode_ahead steps waited on the GPU {100 * steps['gpu_wait_share']:.0f}% of their time "
+                         "(near 100%: bound by the GPU; far below: by the host's work between steps)")
     if run["errors"]:
         lines += ["", "errors:"] + [f"  {e}" for e in run["errors"]]
     return lines

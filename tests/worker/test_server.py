@@ -577,6 +577,25 @@ def test_metrics_exposes_the_documented_series(worker, vocab):
     assert all('model_name="' in key and 'worker="' in key for key in m if key.startswith("preload_request_success"))
 
 
+def test_metrics_count_the_engines_steps_by_kind_and_their_time(worker, vocab):
+    """A 9-token prompt and 5 tokens: a prompt step, then decode steps (on a CPU none is
+    launched ahead, so the host never waits on a GPU), each kind's seconds growing."""
+    def steps(m):
+        return {k: (total(m, "preload_engine_steps_total", kind=k), total(m, "preload_engine_step_seconds_total", kind=k))
+                for k in ("prompt", "decode", "decode_ahead")}
+
+    before = steps(worker.metrics())
+    ok(worker.post("/v1/completions", greedy(ids(9, 321, vocab), 5)))
+    deadline = time.monotonic() + 5
+    while (after := steps(worker.metrics()))["decode"][0] < before["decode"][0] + 4:  # (a beat brings them)
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.05)
+    assert after["prompt"][0] >= before["prompt"][0] + 1 and after["prompt"][1] > before["prompt"][1]
+    assert after["decode"][1] > before["decode"][1]
+    assert after["decode_ahead"] == before["decode_ahead"]
+    assert total(worker.metrics(), "preload_engine_gpu_wait_seconds_total") == 0
+
+
 def test_a_repeated_prompt_hits_the_prefix_cache_within_its_cache_salt(worker, vocab):
     prompt = ids(70, 77, vocab)  # four full blocks of 16 before the last token
     before = total(worker.metrics(), "preload_prefix_cache_hits_total")

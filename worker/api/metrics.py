@@ -3,8 +3,9 @@ to vLLM's name, so dashboards port): requests running and waiting, KV-cache usag
 to first token, time per output token, end-to-end latency and its parts (queue, prefill,
 decode), prompt and generation tokens per request, finished requests by reason,
 preemptions, prefix-cache lookups and hits (in tokens), speculative tokens drafted and
-accepted. Every series carries `model_name`, `worker` (the slot) and `engine` (its data-parallel
-rank, as vLLM labels a DP engine's series) labels.
+accepted; and, ours alone, the engine's steps by kind, their time and the host's wait on
+the GPU (step_clock.py). Every series carries `model_name`, `worker` (the slot) and
+`engine` (its data-parallel rank, as vLLM labels a DP engine's series) labels.
 
 Under a daemon every worker writes its series to files in one directory (prometheus-
 client's multiprocess mode: the daemon sets PROMETHEUS_MULTIPROC_DIR under its state dir),
@@ -29,6 +30,7 @@ from preload.ipc.exposition import Exposition
 from preload.ipc.metrics_files import MetricsDirCollector
 from preload.worker.engine.async_engine import AsyncEngine
 from preload.worker.engine.sequence import Sequence
+from preload.worker.engine.step_clock import KINDS
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -67,6 +69,13 @@ class WorkerMetrics:
         self.prefix_hits = counter("preload_prefix_cache_hits", "Tokens found in the prefix cache")
         self.spec_drafts = counter("preload_spec_decode_num_draft_tokens", "Tokens drafted for speculative decoding")
         self.spec_accepted = counter("preload_spec_decode_num_accepted_tokens", "Draft tokens the model accepted")
+        self.engine_steps = counter("preload_engine_steps", "Engine steps, by kind: prompt (prompt tokens in it),"
+                                    " decode (one token a sequence), decode_ahead (launched before the previous"
+                                    " step's tokens reached the host)", ("kind",))
+        self.engine_step_seconds = counter("preload_engine_step_seconds", "Wall time of the engine's steps, by kind",
+                                           ("kind",))
+        self.gpu_wait = counter("preload_engine_gpu_wait_seconds", "Time the engine's host waited on the GPU for the"
+                                " tokens of decode_ahead steps (most of their time: bound by the GPU)")
         self.ttft = histogram("preload_time_to_first_token_seconds", "Arrival to first token", LATENCY)
         self.tpot = histogram("preload_time_per_output_token_seconds", "Time between a request's tokens", LATENCY)
         self.e2e = histogram("preload_e2e_request_latency_seconds", "Arrival to the last token", LATENCY)
@@ -102,13 +111,22 @@ class WorkerMetrics:
                                    ("prefix_hits", self.prefix_hits, s.prefix_hit_tokens),
                                    ("spec_drafts", self.spec_drafts, s.spec_draft_tokens),
                                    ("spec_accepted", self.spec_accepted, s.spec_accepted_tokens)):
-            new, self._counted[key] = total - self._counted.get(key, 0), total
-            self.label(metric).inc(max(new, 0))
+            self._count(key, total, self.label(metric))
+        for kind in KINDS:
+            self._count(f"steps {kind}", getattr(s, f"{kind}_steps"), self.label(self.engine_steps, kind))
+            self._count(f"seconds {kind}", getattr(s, f"{kind}_step_seconds"), self.label(self.engine_step_seconds, kind))
+        self._count("gpu_wait", s.gpu_wait_seconds, self.label(self.gpu_wait))
         if self._created_for != (self.worker, self.dp_rank):  # once per label: every series exists from the start,
             self._created_for = (self.worker, self.dp_rank)  # at zero, as vLLM's do
             for series in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue,
                            self.prefill, self.decode, self.request_prompt_tokens, self.request_generation_tokens):
                 self.label(series)
+
+    def _count(self, key: str, total: float, series) -> None:
+        """Count what the engine's running `total` gained since the last call (a new core
+        starts again from zero: nothing counted until it passes the last total)."""
+        new, self._counted[key] = total - self._counted.get(key, 0), total
+        series.inc(max(new, 0))
 
     def finished(self, seq: Sequence, reason: str | None, generated: int, arrived: float, first_token: float,
                  last_token: float) -> None:

@@ -31,6 +31,7 @@ from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import CacheSource, Sequence
 from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter
+from preload.worker.engine.step_clock import StepClock
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
 
@@ -49,6 +50,14 @@ class EngineStats:
     spec_draft_tokens: int  # so far: tokens the drafter proposed, and those the target accepted
     spec_accepted_tokens: int
     max_model_len: int  # prompt + max_tokens of one sequence at most
+    # so far (step_clock.py): steps of each kind, their seconds, and the host's wait on the GPU
+    prompt_steps: int = 0
+    decode_steps: int = 0
+    decode_ahead_steps: int = 0
+    prompt_step_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
+    decode_ahead_step_seconds: float = 0.0
+    gpu_wait_seconds: float = 0.0
 
 
 def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
@@ -133,6 +142,7 @@ class Engine:
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
         # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
         self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
+        self.clock = StepClock()
 
     @property
     def max_model_len(self) -> int:
@@ -203,20 +213,26 @@ class Engine:
         s, b = self.scheduler, self.blocks
         d = self.drafter
         return EngineStats(len(s.waiting), len(s.running), b.used, b.num_blocks, s.preemptions, b.queried_tokens,
-                           b.hit_tokens, d.drafted if d else 0, d.accepted if d else 0, self.max_model_len)
+                           b.hit_tokens, d.drafted if d else 0, d.accepted if d else 0, self.max_model_len,
+                           *self.clock.totals())
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
         """Run one batch; return an Output for each sequence that produced a token or failed
         (with --async-scheduling, the batch launched by the call before, if it was: pipeline.py)."""
-        if self.pipeline is not None and self.pipeline.takes_step():
-            return self.pipeline.step()
-        return self.run(self.scheduler.schedule())
+        self.clock.start()
+        try:
+            if self.pipeline is not None and self.pipeline.takes_step():
+                return self.pipeline.step()
+            return self.run(self.scheduler.schedule())
+        finally:
+            self.clock.stop()
 
     def run(self, batch: list[tuple[Sequence, int]]) -> list[Output]:
         """One scheduled batch of (sequence, tokens to compute), start to finish."""
         if not batch:
             return []
+        self.clock.kind = "decode" if all(n == 1 for _, n in batch) else "prompt"
         # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
         spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
         # Logits only where needed: each sequence's last row when its pending tokens are

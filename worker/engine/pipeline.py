@@ -25,6 +25,7 @@ waiting, and cache blocks for the next position. On a CPU nothing runs asynchron
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,10 +70,12 @@ class DecodePipeline:
         """Land the step in flight (or launch one, and land that), launching the next
         before the landing whenever it may."""
         flight, self.flight = self.flight, None
+        self.engine.clock.kind = "decode_ahead"
         if flight is None:
             batch = self.engine.scheduler.schedule()
             if any(n != 1 for _, n in batch) or len(batch) != len(self.engine.scheduler.running):
                 return self.engine.run(batch)  # (not the whole running batch: the step's budget, or a preemption)
+            self.engine.clock.kind = "decode"
             flight = self._launch([seq for seq, _ in batch], [seq.computed for seq, _ in batch])
         keep = self._continuing(flight)
         if keep:
@@ -144,7 +147,9 @@ class DecodePipeline:
             drawn = e.sample([(seq, i) for i, seq in live], flight.logprobs)
         else:
             if flight.copied is not None:
+                waited = time.perf_counter()
                 flight.copied.synchronize()
+                e.clock.gpu_wait += time.perf_counter() - waited
             rows = flight.host.tolist()
             drawn = e.unpack([seq for _, seq in live], [rows[i] for i, _ in live], flight.n_top)
         return e.advance([seq for _, seq in live], drawn)

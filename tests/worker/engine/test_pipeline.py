@@ -79,9 +79,13 @@ def test_requests_ending_by_length_leave_the_others_launched_ahead(engine, monke
     launched = count_launches_ahead(engine, monkeypatch)
     alone, _ = same(engine, requests)
     from_host.clear(), launched.clear()
+    steps = dict(engine.clock.steps)
     run(engine, requests(), pipelined=True)
     assert from_host == [3]  # (the first decode step)
     assert launched == [3] * 4 + [2] * 3 + [1] * 3  # (their 2nd to 6th, 7th to 9th, 10th to 12th tokens)
+    # the engine's step clock (/metrics) saw the same: one prompt step, one decode step from
+    # the host, then a step landed each time one launched ahead did
+    assert {k: engine.clock.steps[k] - steps[k] for k in steps} == {"prompt": 1, "decode": 1, "decode_ahead": 10}
 
 
 def test_seeded_sampling_and_logprobs_are_the_same(engine):
