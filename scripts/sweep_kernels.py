@@ -2,7 +2,8 @@
 graphs, rotating over several weight copies so L2 holds none of them between launches:
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
 (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
-(`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode.
+(`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode;
+(`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too.
 (`--prefill [--act]`) the grouped expert GEMMs at a prefill's thousands of tokens (`--act`:
 with e4m3 activations, fp8_act.py).
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
@@ -197,6 +198,45 @@ def mla_sweep():
     return results
 
 
+def mla_serving_sweep():
+    """The MLA decode split kernel at serving's batches and contexts (workloads A and B:
+    64 to 128 sequences, 1k to 2k tokens), with pipelining depth and splits swept too:
+    its best at batch 64-256 read 1.1-1.3 TB/s, a quarter of the H200's HBM. Each row's
+    `tb_s`: the cache's bytes read (576 bf16 values a token) over the time."""
+    from kernel_cases import paged_case
+
+    results = []
+    for batch, ctx in ((64, 1024), (128, 1024), (128, 2048)):
+        cases = [paged_case([ctx] * batch, 16, 512, 64, 16, False, seed=s) for s in range(COPIES)]
+        nbytes = batch * ctx * 576 * 2
+        for block_n, warps, stages, programs in itertools.product((16, 32, 64), (4, 8), (1, 2, 3, 4), (132, 264, 528)):
+            splits = max(1, min(triton.cdiv(programs, batch), ctx // block_n, md.MAX_SPLITS))
+
+            def fn(c, splits=splits, warps=warps, block_n=block_n, stages=stages):
+                q_lat, q_pe, pools, table, lens = cases[c]
+                parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
+                lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
+                md._mla_decode_split[(batch, 1, splits)](
+                    q_lat, q_pe, pools.ptrs, table, lens, parts, lse, 16, 0.1,
+                    q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
+                    parts.stride(0), parts.stride(1), parts.stride(2),
+                    R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
+                    BLOCK_H=16, BLOCK_N=block_n, MIN_SPLIT=block_n, num_warps=warps, num_stages=stages)
+            try:
+                us = timed(fn)
+            except Exception as e:  # out of shared memory or registers
+                us = None
+                print(f"mla {batch} {ctx} bn{block_n} w{warps} st{stages} p{programs}: {str(e)[:100]}", file=sys.stderr)
+            results.append(dict(batch=batch, ctx=ctx, block_n=block_n, warps=warps, stages=stages, splits=splits, us=us,
+                                tb_s=nbytes / (us * 1e-6) / 1e12 if us else None))
+        full = timed(lambda c: md.mla_decode_latent(*cases[c][:4], cases[c][4], 16, 163840, 0.1))
+        best = min((r for r in results if r["batch"] == batch and r["ctx"] == ctx and r["us"]), key=lambda r: r["us"])
+        results.append(dict(batch=batch, ctx=ctx, default_call_us=full, default_tb_s=nbytes / (full * 1e-6) / 1e12))
+        print(f"mla {batch}x{ctx}: as served {full:.1f} us ({nbytes / full / 1e6:.2f} TB/s), best split alone", best,
+              file=sys.stderr)
+    return results
+
+
 def full_call_mla():
     from kernel_cases import paged_case
     results = []
@@ -316,6 +356,9 @@ def moe_decode_sweep():
 if __name__ == "__main__":
     if sys.argv[1:] == ["--moe-decode"]:
         json.dump({"moe_decode": moe_decode_sweep()}, sys.stdout, indent=1)
+        sys.exit(0)
+    if sys.argv[1:] == ["--mla"]:
+        json.dump({"mla_serving": mla_serving_sweep()}, sys.stdout, indent=1)
         sys.exit(0)
     if sys.argv[1:] == ["--dense"]:
         json.dump({"dense": dense_sweep()}, sys.stdout, indent=1)
