@@ -8,7 +8,8 @@ shareable allocation (CUDA VMM, exported as a file descriptor; a memfd on the CP
 gives the fd to its daemon, which holds it for the worker's slot. The slot's next
 worker (a spare taking over, a fork, a rolling restart) maps the same memory instead
 of allocating: what the last worker left in it is stale but finite, and a cache never
-reads a slot it has not written.
+reads a slot it has not written, except the blocks its ledger names
+(worker/engine/block_ledger.py): those the last worker finished, taken up as cached.
 
 Only processes of the daemon's uid get it: its workers, over their links.
 """

@@ -24,7 +24,7 @@ from collections import Counter
 import httpx
 import psutil
 import pytest
-from daemons import arena_holders, arena_inodes, free_port, port_is_free, preload, running_daemon, wait_for
+from daemons import arena_holders, arena_inodes, free_port, metrics, port_is_free, preload, running_daemon, total, wait_for
 from supervised import (
     PROMPT,
     REPLACE_TIMEOUT,
@@ -88,6 +88,31 @@ def test_sigkill_of_the_engine_core_mid_stream_costs_the_stream_nothing(tiny_che
         assert after["fingerprint"] == before["fingerprint"] and after["state"] == "ready"
         assert d.get("/health").status_code == 200
         assert dead(w["pid"])
+
+
+def test_the_next_core_takes_up_the_blocks_a_killed_one_computed(tiny_checkpoint, tmp_path):
+    """Issue 33: a request handed over after its core's SIGKILL (100 prompt tokens, 24
+    generated) finds its full blocks in the slot's KV memory (block_ledger.py): the new
+    core computes again only the tail, and the text is the uninterrupted one's. (Its
+    uninterrupted twin has another cache_salt, so that nothing else could share them.)"""
+    port = free_port()
+    prompt = [5 + i % 90 for i in range(100)]
+    body = {"prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    with running_daemon(tmp_path / "state", tiny_checkpoint, *start_args(port)) as d:
+        [w] = d.status()["workers"]
+        whole = httpx.post(api(port) + "/v1/completions", json=body | {"cache_salt": "twin"}, timeout=60).json()
+        def hits():
+            return total(metrics(httpx.get(api(port) + "/metrics", timeout=10).text), "preload_prefix_cache_hits_total")
+
+        before = hits()
+        events, error = stream(port, body | {"cache_salt": "killed"}, lambda ev: kill(w["pid"]) if len(ev) == 24 else None)
+        assert error is None and events[-1] == "[DONE]", error
+        assert text_of(events) == whole["choices"][0]["text"]
+        assert d.status()["workers"][0]["restarts"] == 1
+        deadline = time.monotonic() + 10
+        while hits() - before < 96:  # (six blocks of 16 at least; a beat brings the figure)
+            assert time.monotonic() < deadline, "the new core found none of the killed core's blocks"
+            time.sleep(0.1)
 
 
 def test_sigkill_of_the_front_mid_stream_truncates_that_stream_only(tiny_checkpoint, tmp_path):

@@ -13,6 +13,10 @@ Blocks are reference-counted. Released to zero, a keyed block stays cached, evic
 least recently used first; a block without a key goes back to the free list. Only full
 blocks are shared, and a sequence writes only slots past what it computed, so a shared
 block is never written.
+
+With a ledger (block_ledger.py, in a supervised worker's KV memory) every key given and
+taken back is written there too, and a new manager starts with the blocks the ledger
+names cached: what the slot's last core computed.
 """
 
 from __future__ import annotations
@@ -43,6 +47,20 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks no sequence holds, oldest first
         self.queried_tokens = 0  # tokens of admitted sequences looked up in the cache, and found there (metrics)
         self.hit_tokens = 0
+        self.ledger = None  # block_ledger.BlockLedger: the keys, where the slot's next core reads them
+
+    def keep_ledger(self, ledger) -> int:
+        """Write keys to `ledger` from now on, and take up the blocks it names as cached
+        (evictable, nobody holding them): those the slot's last core left. How many."""
+        self.ledger = ledger
+        for block, key in ledger.read().items():
+            if block < self.num_blocks and key not in self.by_key and block not in self.key_of:
+                self.by_key[key], self.key_of[block] = block, key
+                self.evictable[block] = None
+            else:  # (a key named twice: the block goes to the free list, and its entry with it)
+                ledger.erased(block)
+        self.free = deque(b for b in range(self.num_blocks) if b not in self.key_of)
+        return len(self.key_of)
 
     @property
     def used(self) -> int:
@@ -66,6 +84,8 @@ class BlockManager:
         else:  # the least recently used cached block no one holds
             block, _ = self.evictable.popitem(last=False)
             del self.by_key[self.key_of.pop(block)]
+            if self.ledger is not None:  # (erased before anything is written to it again)
+                self.ledger.erased(block)
         self.refs[block] = 1
         return block
 
@@ -123,3 +143,5 @@ class BlockManager:
             block = seq.blocks[i]
             if key not in self.by_key and block not in self.key_of:
                 self.by_key[key], self.key_of[block] = block, key
+                if self.ledger is not None:
+                    self.ledger.keyed(block, key)

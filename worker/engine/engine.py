@@ -18,6 +18,7 @@ import torch
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.kv_memory import KvMemory
 from preload.options import EngineOptions
+from preload.worker.engine.block_ledger import KEY_BYTES, BlockLedger, layout_key, ledger_bytes
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.prompt_graphs import PromptGraphs
@@ -123,10 +124,19 @@ class Engine:
             need = LatentCache.nbytes(layers, slots, cfg, dtype, config.kv_cache_dtype)
             if draft is not None:
                 need += LatentCache.nbytes(draft.cfg.num_layers, slots, draft.cfg, draft.embed.dtype, config.kv_cache_dtype)
+            pools = need
+            need += CacheMemory.aligned(ledger_bytes(num_blocks))
             self.kv_memory = kv_memory(need)
             memory = CacheMemory(self.kv_memory)
         self.cache = LatentCache(layers, slots, cfg, dtype, device, config.kv_cache_dtype,
                                  ptrs=graphs.cache_ptrs if graphs else None, memory=memory)
+        if memory is not None:  # the blocks the slot's last core keyed, taken up (block_ledger.py)
+            ledger = BlockLedger(memory.take((num_blocks + 1, KEY_BYTES), torch.uint8),
+                                 layout_key(num_blocks, config.block_size, pools, str(dtype), config.kv_cache_dtype))
+            if config.enable_prefix_caching and spec is None:
+                log.info("%d cached blocks taken up from the slot's last core", self.blocks.keep_ledger(ledger))
+            else:
+                ledger.reset()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_num_active_seqs, config.long_prefill_token_threshold)
         self.stop_ids = frozenset(cfg.eos_token_ids) | ({tokenizer.eos_id} - {None})
@@ -275,6 +285,8 @@ class Engine:
         """The log-probs at `rows` of a batch of (sequence, start, n) spans, and the hidden
         states when run eagerly (None from a graph, whose rows are one per sequence).
         `tokens`: the batch's inputs already on the device (a step launched ahead)."""
+        if self.blocks.ledger is not None:  # (the keys and erasures since the last forward, before it)
+            self.blocks.ledger.flush()
         if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
             # A lazy start's bucket, at its first use: captured now, so that a busy engine
             # (never idle) does not pad its batches to the largest bucket for good.
