@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.host_values import on_device
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampler import sample_batch
 from preload.worker.engine.sequence import Sequence
@@ -83,8 +84,8 @@ class DecodePipeline:
             for seq, start in zip(seqs, starts):
                 self.engine.blocks.grow(seq, start + 1)
             tokens = flight.tokens
-            if len(keep) < len(flight.seqs):  # (an index copied to the device in the stream's order: no wait)
-                tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
+            if len(keep) < len(flight.seqs):
+                tokens = tokens.index_select(0, on_device(keep, tokens.device))
             self.flight = self._launch(seqs, starts, tokens)
         return self._land(flight)
 

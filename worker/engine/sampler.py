@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from preload.worker.engine.grammar import allowed
+from preload.worker.engine.host_values import on_device
 from preload.worker.engine.sampling_params import SamplingParams
 
 
@@ -108,7 +109,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     dev = logits.device
 
     def column(values: list) -> torch.Tensor:
-        return torch.tensor(values, device=dev, dtype=torch.float32)[:, None]
+        return on_device(values, dev, torch.float32)[:, None]
 
     penalized = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if penalized:
@@ -128,7 +129,7 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     x = logits[drawn] / column([p.temperature for p in ps])
     k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
     if min(k) < vocab:
-        kth = x.topk(max(k), dim=-1).values.gather(1, torch.tensor(k, device=dev)[:, None] - 1)
+        kth = x.topk(max(k), dim=-1).values.gather(1, on_device(k, dev)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     if any(p.min_p > 0.0 for p in ps):
         x = min_p_filter(x, column([p.min_p for p in ps]))
@@ -139,4 +140,4 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     for row, i in enumerate(drawn):
         if generators[i] is not None:
             noise[row].exponential_(generator=generators[i])
-    return greedy.index_put((torch.tensor(drawn, device=dev),), (probs / noise).argmax(-1))
+    return greedy.index_put((on_device(drawn, dev),), (probs / noise).argmax(-1))

@@ -1,0 +1,21 @@
+"""Small host values (indices, per-row parameters) sent to the device without waiting on it.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory, and PyTorch makes such
+a copy synchronous: it waits for everything queued on the stream first. Where a step is
+launched ahead of the last one's tokens (pipeline.py), that wait undoes the overlap: the
+host then idles until the GPU has finished both steps. From page-locked memory the copy
+is queued like a kernel instead, and the page-locked block is not reused before it ran
+(PyTorch's host allocator records the stream's use).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` as a tensor on `device`, queued in the stream's order (no wait on a GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
