@@ -47,8 +47,8 @@ class BlockLedger:
         if rows[0].tobytes() != self.layout:
             self.reset()
             return {}
-        empty = bytes(KEY_BYTES)
-        return {block: row.tobytes() for block, row in enumerate(rows[1:]) if row.tobytes() != empty}
+        keyed = rows[1:].any(axis=1).nonzero()[0]  # (a whole cache's ledger, 180k rows on an H200, in one pass)
+        return {int(block): rows[1 + block].tobytes() for block in keyed}
 
     def reset(self) -> None:
         """No block keyed, under our header: for a core that keeps no ledger (no prefix
