@@ -20,7 +20,8 @@ at different lengths would otherwise run a step one at a time at every end). Wha
 needs, else steps run one at a time as without it: sampling that does not read the
 host's copy of the output (penalties, logit steering, grammars and logits processors
 do), no drafting, no prompt being scored, the same sequences still running and nobody
-waiting, and cache blocks for the next position. On a CPU nothing runs asynchronously, so the engine does not use it.
+waiting, and cache blocks for the next position. On a CPU nothing runs asynchronously,
+so the engine does not use it.
 """
 
 from __future__ import annotations
