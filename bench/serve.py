@@ -44,6 +44,7 @@ import httpx
 
 from preload.bench.driver import preload
 from preload.bench.results import host_info, quantiles
+from preload.worker.engine.step_clock import KINDS
 
 PERCENTILES = (50, 90, 99)
 STEP_SERIES = {"preload_engine_steps_total": "steps", "preload_engine_step_seconds_total": "seconds",
@@ -341,7 +342,7 @@ def run_lines(run: dict) -> list[str]:
         lines.append(f"{label:<22}{_ms(p['p50']):>10}{_ms(p['p90']):>10}{_ms(p['p99']):>10}{_ms(p['mean']):>10}{p['n']:>8}")
     steps = run.get("engine_steps")
     if steps:
-        kinds = [k for k in ("prompt", "decode", "decode_ahead") if k in steps]
+        kinds = [k for k in KINDS if k in steps]
         lines += ["", "engine steps: " + ", ".join(
             f"{k} {steps[k]['steps']} x {_ms(steps[k]['ms_per_step'] and steps[k]['ms_per_step'] / 1e3)} ms"
             for k in kinds)]

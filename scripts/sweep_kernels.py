@@ -165,6 +165,21 @@ def moe_sweep(shard=None, prefill=False, act=False):
     return results
 
 
+def mla_split(case, splits: int, block_n: int, min_split: int, **launch) -> None:
+    """The MLA decode split kernel alone over one paged case (V2-Lite's 16 heads, rank 512,
+    bf16 cache), each sequence cut into `splits`; `launch`: num_warps, num_stages."""
+    q_lat, q_pe, pools, table, lens = case
+    batch = q_lat.shape[0]
+    parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
+    lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
+    md._mla_decode_split[(batch, 1, splits)](
+        q_lat, q_pe, pools.ptrs, table, lens, parts, lse, 16, 0.1,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2),
+        R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
+        BLOCK_H=16, BLOCK_N=block_n, MIN_SPLIT=min_split, **launch)
+
+
 def mla_sweep():
     from kernel_cases import paged_case
 
@@ -179,15 +194,7 @@ def mla_sweep():
             splits = md.splits_for(batch, 16, width)
 
             def fn(c, splits=splits, warps=warps, block_n=block_n, min_split=min_split):
-                q_lat, q_pe, pools, table, lens = cases[c]
-                parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
-                lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
-                md._mla_decode_split[(batch, 1, splits)](
-                    q_lat, q_pe, pools.ptrs, table, lens, parts, lse, 16, 0.1,
-                    q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
-                    parts.stride(0), parts.stride(1), parts.stride(2),
-                    R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
-                    BLOCK_H=16, BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=warps)
+                mla_split(cases[c], splits, block_n, min_split, num_warps=warps)
             try:
                 us = timed(fn)
             except Exception as e:
@@ -213,15 +220,7 @@ def mla_serving_sweep():
             splits = max(1, min(triton.cdiv(programs, batch), ctx // block_n, md.MAX_SPLITS))
 
             def fn(c, splits=splits, warps=warps, block_n=block_n, stages=stages):
-                q_lat, q_pe, pools, table, lens = cases[c]
-                parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
-                lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
-                md._mla_decode_split[(batch, 1, splits)](
-                    q_lat, q_pe, pools.ptrs, table, lens, parts, lse, 16, 0.1,
-                    q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), table.stride(0),
-                    parts.stride(0), parts.stride(1), parts.stride(2),
-                    R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
-                    BLOCK_H=16, BLOCK_N=block_n, MIN_SPLIT=block_n, num_warps=warps, num_stages=stages)
+                mla_split(cases[c], splits, block_n, block_n, num_warps=warps, num_stages=stages)
             try:
                 us = timed(fn)
             except Exception as e:  # out of shared memory or registers

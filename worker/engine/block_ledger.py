@@ -21,6 +21,8 @@ import hashlib
 
 import torch
 
+from preload.worker.engine.host_values import to_device
+
 KEY_BYTES = 32  # a block key: SHA-256
 
 
@@ -73,6 +75,4 @@ class BlockLedger:
         rows = torch.frombuffer(bytearray(b"".join(self.pending.values())), dtype=torch.uint8).view(-1, KEY_BYTES)
         self.pending = {}
         dev = self.table.device
-        if dev.type == "cuda":  # (queued in the stream's order, not waited for: host_values.py)
-            blocks, rows = blocks.pin_memory(), rows.pin_memory()
-        self.table.index_copy_(0, blocks.to(dev, non_blocking=True), rows.to(dev, non_blocking=True))
+        self.table.index_copy_(0, to_device(blocks, dev), to_device(rows, dev))
