@@ -126,8 +126,9 @@ def _mla_decode_combine(parts_ptr, lse_ptr, lens_ptr, out_ptr, heads, splits,
 
 def block_n(batch: int) -> int:
     """Context tokens per step of the loop: 16, or 32 once the batch alone fills the GPU
-    (batch 256, 1k: 238 us against 293)."""
-    return 32 if batch >= 128 else 16
+    twice (batch 256, 1k: 238 us against 293). At 128 (the graph of batches 97-128), 16:
+    117 against 159 us at 1k, 224 against 300 at 2k (results/kernels/mla-serving-split-h200.json)."""
+    return 32 if batch >= 256 else 16
 
 
 def splits_for(batch: int, heads: int, max_context: int) -> int:
