@@ -194,15 +194,13 @@ class Engine:
         pieces of the largest bucket of prompt steps not captured yet (prompt_graphs.py: the
         token budget is the size a busy engine's steps take most), between steps, while
         nothing waits; False if none is left."""
-        if self.drafter is not None or self.has_work():
+        if self.has_work() or not self.graphs_pending():
             return False
         if self.graphs is not None and self.graphs.pending:
             return self._capture(self.graphs.pending[:1])
-        prompts = self.prompt_graphs
-        if prompts is not None and prompts.pending:
-            prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
-            return True
-        return False
+        prompts = self.prompt_graphs  # (what graphs_pending counted: a prompt bucket)
+        prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
+        return True
 
     def _capture(self, sizes: list[int]) -> bool:
         """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200).
