@@ -131,6 +131,16 @@ def block_n(batch: int) -> int:
     return 32 if batch >= 256 else 16
 
 
+def combine_tile(splits: int, rank: int) -> tuple[int, int]:
+    """The combine's splits a loop step (CHUNK) and rank columns a program (BLOCK_R): a tile
+    of 4,096 values for one warp. Few splits (serving's batches) then take the whole rank in
+    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.3 us a layer
+    against 25.1 with 128 columns and 4 warps, 64 x 1k 4.0 against 14.3, batch 1 at 128
+    splits 3.1 against 4.8 (H100; results/kernels/mla-combine-h100.json)."""
+    chunk = min(32, triton.next_power_of_2(splits))
+    return chunk, min(rank, 4096 // chunk)
+
+
 def splits_for(batch: int, heads: int, max_context: int) -> int:
     """How many parts each sequence's context may be cut into: enough programs to fill the
     GPU, none shorter than MIN_SPLIT tokens at max_context, at most MAX_SPLITS."""
@@ -156,10 +166,10 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
         MIN_SPLIT=MIN_SPLIT, num_warps=4,
     )
     out = torch.empty_like(q_lat)
-    block_r = min(128, rank)  # a program per 128 of the rank: 4x the programs of one per head
+    chunk, block_r = combine_tile(splits, rank)
     _mla_decode_combine[(batch, heads, rank // block_r)](
         parts, lse, context_lens, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
-        out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=min(32, triton.next_power_of_2(splits)),
-        BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT, BLOCK_N=bn,
+        out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=chunk, BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT,
+        BLOCK_N=bn, num_warps=1,
     )
     return out
