@@ -8,7 +8,12 @@ the product is split over K as well (split_k.py), in one launch; for one row
 (`ROW_DOT_ROWS`) on the CUDA cores (split_k.row_dot), not padded to a tensor-core tile.
 With a second matrix (`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
 projections, in that same launch. More rows go through the grouped GEMM of fused_moe.py
-with one expert; a prefill's rows in e4m3 too (fp8_act.py), on the fp8 tensor cores.
+with one expert; a prefill's rows in e4m3 too (fp8_act.py), on the fp8 tensor cores:
+where torch and the GPU offer it (Hopper), through cuBLASLt's block-scaled fp8 GEMM, which
+takes DeepSeek's scales as they are (activations per row and 128 columns, weights per
+128 x 128 block) and promotes each K tile's product into float32 as DeepGEMM does
+(scripts/probe_scaled_mm.py on an H100, results/kernels/probe-scaled-mm-h100.json: V2-Lite's
+dense matrices at 2,048 rows 2.1-2.4x the Triton kernel below, quantizing included).
 
 Within a K tile of 128 columns a block's scale is one number per output column, so it
 multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactly.
@@ -16,7 +21,10 @@ multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactl
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -152,15 +160,47 @@ def fp8_swiglu(x: torch.Tensor, gate: Fp8Weight, up: Fp8Weight) -> torch.Tensor 
     return split_k_gemv(rows.contiguous(), gate, up).view(*x.shape[:-1], gate.q.shape[0])
 
 
+@functools.cache
+def block_scaled_gemm(device: torch.device) -> bool:
+    """Whether `device` runs cuBLASLt's block-scaled fp8 GEMM through torch (F.scaled_mm
+    with 1x128 and 128x128 scales: Hopper, torch 2.10 and later)."""
+    return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def takes_block_scales(w: Fp8Weight) -> bool:
+    """Whether cuBLASLt takes `w` as it lies: 128 x 128 scales, one per block, row-major;
+    the matrix's rows contiguous, its dimensions multiples of 16 (its TMA's alignment)."""
+    n, k = w.q.shape
+    return (w.block == (128, 128) and w.scale_inv.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
+            and w.scale_inv.is_contiguous() and w.q.stride(1) == 1 and w.q.stride(0) % 16 == 0
+            and n % 16 == 0 and k % 16 == 0)
+
+
+def block_scaled_linear(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """rows [T, K] (bf16) @ W^T through cuBLASLt: the rows quantized per 128 columns
+    (fp8_act.py, the scales by column as it reads them), then one block-scaled fp8 GEMM."""
+    from torch.nn.functional import ScalingType, SwizzleType
+
+    q, scales = quantize_groups(rows, scales_by_column=True)
+    w_scales = w.scale_inv
+    if w_scales.shape[1] % 4:  # torch takes a row of K blocks' scales padded to a multiple of 4 (never read;
+        w_scales = F.pad(w_scales, (0, -w_scales.shape[1] % 4), value=1.0)  # torch._scaled_mm misreads them unpadded)
+    return F.scaled_mm(q, w.q.t(), scales, ScalingType.BlockWise1x128, w_scales.t(), ScalingType.BlockWise128x128,
+                       SwizzleType.NO_SWIZZLE, SwizzleType.NO_SWIZZLE, None, rows.dtype)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows, the grouped
-    GEMM with one expert and every row its own pair for more."""
+    """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows; for a
+    prefill's rows cuBLASLt's block-scaled GEMM where it runs, else the grouped GEMM with
+    one expert and every row its own pair."""
     shape, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     t, n = rows.shape[0], w.q.shape[0]
     if t <= GEMV_ROWS:
         return split_k_gemv(rows, w).view(*shape, n)
     block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
+    if fp8_activations(block_m) and block_scaled_gemm(x.device) and takes_block_scales(w):
+        return block_scaled_linear(rows, w).view(*shape, n)
     capacity = triton.cdiv(t, block_m) * block_m
     pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
     # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
