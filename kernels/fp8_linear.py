@@ -13,7 +13,8 @@ where torch and the GPU offer it (Hopper), through cuBLASLt's block-scaled fp8 G
 takes DeepSeek's scales as they are (activations per row and 128 columns, weights per
 128 x 128 block) and promotes each K tile's product into float32 as DeepGEMM does
 (scripts/probe_scaled_mm.py on an H100, results/kernels/probe-scaled-mm-h100.json: V2-Lite's
-dense matrices at 2,048 rows 2.1-2.4x the Triton kernel below, quantizing included).
+dense matrices at 2,048 rows 1.5-1.9x as fast as the Triton kernel below, V3's 1.6-2.4x,
+quantizing the rows included).
 
 Within a K tile of 128 columns a block's scale is one number per output column, so it
 multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactly.
