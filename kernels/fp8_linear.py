@@ -182,12 +182,15 @@ def block_scaled_linear(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     (fp8_act.py, the scales by column as it reads them), then one block-scaled fp8 GEMM."""
     from torch.nn.functional import ScalingType, SwizzleType
 
+    t = rows.shape[0]
+    if t % 16:  # (cuBLASLt refused 301 rows on the H200, CUBLAS_STATUS_NOT_SUPPORTED: their scales' column
+        rows = F.pad(rows, (0, 0, 0, -t % 16))  # would not be 16-byte aligned; a graph's buckets are multiples of 16)
     q, scales = quantize_groups(rows, scales_by_column=True)
     w_scales = w.scale_inv
     if w_scales.shape[1] % 4:  # torch takes a row of K blocks' scales padded to a multiple of 4 (never read;
         w_scales = F.pad(w_scales, (0, -w_scales.shape[1] % 4), value=1.0)  # torch._scaled_mm misreads them unpadded)
     return F.scaled_mm(q, w.q.t(), scales, ScalingType.BlockWise1x128, w_scales.t(), ScalingType.BlockWise128x128,
-                       SwizzleType.NO_SWIZZLE, SwizzleType.NO_SWIZZLE, None, rows.dtype)
+                       SwizzleType.NO_SWIZZLE, SwizzleType.NO_SWIZZLE, None, rows.dtype)[:t]
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
