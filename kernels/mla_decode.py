@@ -134,7 +134,7 @@ def block_n(batch: int) -> int:
 def combine_tile(splits: int, rank: int) -> tuple[int, int]:
     """The combine's splits a loop step (CHUNK) and rank columns a program (BLOCK_R): a tile
     of 4,096 values for one warp. Few splits (serving's batches) then take the whole rank in
-    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.3 us a layer
+    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.4 us a layer
     against 25.1 with 128 columns and 4 warps, 64 x 1k 4.0 against 14.3, batch 1 at 128
     splits 3.1 against 4.8 (H100; results/kernels/mla-combine-h100.json)."""
     chunk = min(32, triton.next_power_of_2(splits))
