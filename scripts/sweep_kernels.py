@@ -406,21 +406,15 @@ def moe_decode_sweep():
     return results
 
 
+# A flag alone: its sweep, under its key in the JSON written
+ONE_SWEEP = {"--moe-decode": ("moe_decode", moe_decode_sweep), "--mla-combine": ("mla_combine", mla_combine_sweep),
+             "--mla-block": ("mla_block", mla_block_sweep), "--mla": ("mla_serving", mla_serving_sweep),
+             "--dense": ("dense", dense_sweep)}
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--moe-decode"]:
-        json.dump({"moe_decode": moe_decode_sweep()}, sys.stdout, indent=1)
-        sys.exit(0)
-    if sys.argv[1:] == ["--mla-combine"]:
-        json.dump({"mla_combine": mla_combine_sweep()}, sys.stdout, indent=1)
-        sys.exit(0)
-    if sys.argv[1:] == ["--mla-block"]:
-        json.dump({"mla_block": mla_block_sweep()}, sys.stdout, indent=1)
-        sys.exit(0)
-    if sys.argv[1:] == ["--mla"]:
-        json.dump({"mla_serving": mla_serving_sweep()}, sys.stdout, indent=1)
-        sys.exit(0)
-    if sys.argv[1:] == ["--dense"]:
-        json.dump({"dense": dense_sweep()}, sys.stdout, indent=1)
+    if len(sys.argv) == 2 and sys.argv[1] in ONE_SWEEP:
+        key, sweep = ONE_SWEEP[sys.argv[1]]
+        json.dump({key: sweep()}, sys.stdout, indent=1)
         sys.exit(0)
     if len(sys.argv) > 2 and sys.argv[1] == "--compile-shard":
         i, n = map(int, sys.argv[2].split("/"))
