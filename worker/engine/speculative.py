@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sequence import Sequence
@@ -109,12 +110,13 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     return tokens, qs
 
 
-def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
+def accept(rows: torch.Tensor, seq: Sequence, best: list[int] | None = None) -> list[int]:
     """The tokens a verify pass gives `seq`: rows [k+1, V] are the target's logits after
-    the pending token and each of its k drafts (seq.drafts, seq.draft_probs)."""
+    the pending token and each of its k drafts (seq.drafts, seq.draft_probs); `best`:
+    their argmax, where the caller has it already."""
     drafts = seq.drafts
     if seq.params.greedy:
-        best = rows.argmax(-1).tolist()
+        best = rows.argmax(-1).tolist() if best is None else best
         n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
         return drafts[:n] + [best[n]]
     out = []
@@ -141,20 +143,30 @@ class Drafter:
     indexed by the same block tables."""
 
     def __init__(self, config: SpecConfig, blocks, device: torch.device, model, cache,
-                 shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None):
+                 shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None,
+                 graphs: DecodeGraphs | None = None, scratch_block: int = 0):
         """`model` and `cache`: the target and its cache (MTP), or the draft model and its own.
         `shape`: the drafter's logits of these sequences as the operator's processors make
         them (None: no processors). A failure there or in drawing stops their drafting for
-        the step; it is theirs alone (their sampling meets it again), never the engine's."""
+        the step; it is theirs alone (their sampling meets it again), never the engine's.
+        `graphs`: the drafter's steps as CUDA graphs (cuda_graphs.py, a row per token fed;
+        padding rows in `scratch_block`), replayed where they fit; else steps run eagerly."""
         self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
-        self.shape = shape
+        self.shape, self.graphs, self.scratch_block = shape, graphs, scratch_block
         self.mtp = config.method == "mtp"
         self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
         self.accepted = 0
 
     def _run(self, hidden: torch.Tensor | None, tokens: list[int], spans: list[tuple[int, int, list[int]]]):
-        """(hidden states to chain on, or None; logits) of the drafter over the spans
-        (start, tokens, blocks) of a flat batch."""
+        """(hidden states to chain on, or None; logits, or log-probs from a graph: the same
+        draws) of the drafter over the spans (start, tokens, blocks) of a flat batch."""
+        g = self.graphs
+        if g is not None and g.graphs and len(tokens) <= max(g.graphs) and all(len(b) <= g.width for *_, b in spans):
+            g.ensure(self.cache, self.scratch_block, [g.bucket(len(tokens))])  # (a lazy start's bucket: at first use)
+            rows = [(start + j, blocks) for start, n, blocks in spans for j in range(n)]
+            logprobs, x = g.replay_rows([(t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
+                                        self.scratch_block, hidden=hidden)
+            return (x if self.mtp else None), logprobs
         meta = AttentionMeta.build(spans, self.blocks.block_size, self.device)
         ids = torch.tensor(tokens, device=self.device)
         if self.mtp:
