@@ -9,7 +9,11 @@ What is sent, so the figures can be judged:
   `max_tokens` uniform in --output-len, so every request generates exactly what was
   asked, and `stream_options.include_usage`, so token counts are the server's own;
 - a closed loop: --concurrency clients, each sending its next request as soon as the
-  previous one ends, until --requests have been sent (plus --warmup unrecorded ones).
+  previous one ends, until --requests have been sent (plus --warmup unrecorded ones);
+- after the warm-up, and before the recorded run, the bench waits for the workers to have
+  captured all their CUDA graphs (/metrics' preload_engine_graphs_pending at 0): a fresh
+  worker captures a bucket at its first step of that size, 0.1-0.6 s each on the H200,
+  which a run begun earlier would count as serving time.
 
 What is reported:
 - throughput over the wall time of the recorded requests: requests/s, output tokens/s
@@ -50,6 +54,8 @@ PERCENTILES = (50, 90, 99)
 STEP_SERIES = {"preload_engine_steps_total": "steps", "preload_engine_step_seconds_total": "seconds",
                "preload_engine_gpu_wait_seconds_total": "gpu_wait"}
 STEPS_SETTLE = 0.3  # seconds for the workers' last step figures to reach /metrics (a beat) after the run
+GRAPHS_PENDING = "preload_engine_graphs_pending"
+GRAPHS_TIMEOUT = 600.0  # seconds to wait, before the run, for the workers' CUDA graphs to be captured
 RESTART_TIMEOUT = 600.0  # seconds for one `preload restart` round
 
 
@@ -192,13 +198,14 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
             bad = [w.error for w in warm if not w.ok]
             if bad:
                 raise RuntimeError(f"warm-up failed: {bad[0]}")
+        graphs_wait = await wait_for_graphs(client, progress)
         progress(f"{requests} requests, {concurrency} concurrent")
         steps_before = await engine_steps(client)
         records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
         await asyncio.sleep(STEPS_SETTLE)
         result = summarize(records, wall, info | {"url": url, "vocab": vocab}, {
             "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len),
-            "output_len": list(output_len), "seed": seed, "warmup": warmup})
+            "output_len": list(output_len), "seed": seed, "warmup": warmup, "graphs_wait_s": graphs_wait})
         result["engine_steps"] = steps_taken(steps_before, await engine_steps(client))
         if rolling_restarts:
             progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
@@ -209,23 +216,45 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
     return result
 
 
-async def engine_steps(client: httpx.AsyncClient) -> dict[str, float] | None:
-    """The worker's engine step totals now (summed over its workers), or None where its
-    /metrics has none."""
+async def scrape(client: httpx.AsyncClient) -> list:
+    """The samples of the server's /metrics now (none where it has no /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         r = await client.get("/metrics")
         r.raise_for_status()
     except httpx.HTTPError:
-        return None
+        return []
+    return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
+
+
+async def engine_steps(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """The worker's engine step totals now (summed over its workers), or None where its
+    /metrics has none."""
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
-        for sample in family.samples:
-            if sample.name in STEP_SERIES:
-                key = STEP_SERIES[sample.name] + (f" {sample.labels['kind']}" if "kind" in sample.labels else "")
-                totals[key] = totals.get(key, 0.0) + sample.value
+    for sample in await scrape(client):
+        if sample.name in STEP_SERIES:
+            key = STEP_SERIES[sample.name] + (f" {sample.labels['kind']}" if "kind" in sample.labels else "")
+            totals[key] = totals.get(key, 0.0) + sample.value
     return totals or None
+
+
+async def wait_for_graphs(client: httpx.AsyncClient, progress=lambda msg: None, timeout: float = GRAPHS_TIMEOUT,
+                          poll: float = 0.5) -> float:
+    """Wait until the workers have captured every CUDA graph bucket (/metrics' graphs
+    pending at 0, or absent: another server, a CPU): a bucket's first step captures it
+    (0.1-0.6 s on the H200) and an idle engine captures the rest one at a time, so that a
+    run begun earlier would time a fresh worker's captures, not its serving. The seconds
+    waited; RuntimeError past `timeout`."""
+    t0, told = time.perf_counter(), False
+    while (pending := sum(x.value for x in await scrape(client) if x.name == GRAPHS_PENDING)) > 0:
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"the workers still had {pending:.0f} CUDA graph bucket(s) to capture after {timeout:.0f} s")
+        if not told:
+            progress(f"waiting for the workers to capture {pending:.0f} CUDA graph bucket(s)")
+            told = True
+        await asyncio.sleep(poll)
+    return time.perf_counter() - t0
 
 
 def steps_taken(before: dict | None, after: dict | None) -> dict | None:
@@ -314,7 +343,8 @@ def format_table(result: dict) -> str:
         f"preload bench serve: {s['url']} model {s['model']} (context {s['max_model_len']}, vocab {s['vocab']})",
         f"{c['requests']} requests, {c['concurrency']} concurrent, prompt {c['prompt_len'][0]}-{c['prompt_len'][1]} "
         f"tokens, output {c['output_len'][0]}-{c['output_len'][1]} tokens (ignore_eos), seed {c['seed']}; "
-        f"client on {m['hostname']} ({m['cpus_usable']} CPUs)",
+        f"client on {m['hostname']} ({m['cpus_usable']} CPUs)"
+        + (f"; waited {c['graphs_wait_s']:.1f} s for the workers' CUDA graphs" if c.get("graphs_wait_s", 0) >= 1 else ""),
         *run_lines(result),
     ]
     under = result.get("under_restarts")

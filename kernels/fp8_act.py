@@ -32,7 +32,7 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _quantize_groups(x_ptr, q_ptr, s_ptr, T, K, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr,
+def _quantize_groups(x_ptr, q_ptr, s_ptr, T, K, stride_xm, stride_qm, stride_sm, stride_sg, FP8_MAX: tl.constexpr,
                      ROWS: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
@@ -42,16 +42,21 @@ def _quantize_groups(x_ptr, q_ptr, s_ptr, T, K, stride_xm, stride_qm, stride_sm,
     scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / FP8_MAX
     q = round_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX))
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows * stride_sm + group, scale, mask=rows < T)
+    tl.store(s_ptr + rows * stride_sm + group * stride_sg, scale, mask=rows < T)
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (rows contiguous) -> (e4m3 [T, K], float32 scales [T, ceil(K / GROUP)]), in one launch."""
+def quantize_groups(x: torch.Tensor, scales_by_column: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (rows contiguous) -> (e4m3 [T, K], float32 scales [T, ceil(K / GROUP)]), in one launch.
+    `scales_by_column`: the scales stored a group's column after another (strides (1, T)),
+    as cuBLASLt's block-scaled GEMM reads them (fp8_linear.py)."""
     t, k = x.shape
     groups = triton.cdiv(k, GROUP)
     q = torch.empty(t, k, dtype=FP8, device=x.device)
-    scales = torch.empty(t, groups, dtype=torch.float32, device=x.device)
+    if scales_by_column:
+        scales = torch.empty(groups, t, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(t, groups, dtype=torch.float32, device=x.device)
     if t:
         _quantize_groups[(triton.cdiv(t, ROWS), groups)](x, q, scales, t, k, x.stride(0), q.stride(0), scales.stride(0),
-                                                       FP8_MAX=FP8_MAX, ROWS=ROWS, GROUP=GROUP)
+                                                       scales.stride(1), FP8_MAX=FP8_MAX, ROWS=ROWS, GROUP=GROUP)
     return q, scales

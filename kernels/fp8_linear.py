@@ -8,7 +8,13 @@ the product is split over K as well (split_k.py), in one launch; for one row
 (`ROW_DOT_ROWS`) on the CUDA cores (split_k.row_dot), not padded to a tensor-core tile.
 With a second matrix (`fp8_swiglu`) it computes silu(x G^T) * (x U^T), a feed-forward layer's gate and up
 projections, in that same launch. More rows go through the grouped GEMM of fused_moe.py
-with one expert; a prefill's rows in e4m3 too (fp8_act.py), on the fp8 tensor cores.
+with one expert; a prefill's rows in e4m3 too (fp8_act.py), on the fp8 tensor cores:
+where torch and the GPU offer it (Hopper), through cuBLASLt's block-scaled fp8 GEMM, which
+takes DeepSeek's scales as they are (activations per row and 128 columns, weights per
+128 x 128 block) and promotes each K tile's product into float32 as DeepGEMM does
+(scripts/probe_scaled_mm.py on an H100, results/kernels/probe-scaled-mm-h100.json: V2-Lite's
+dense matrices at 2,048 rows 1.5-1.9x as fast as the Triton kernel below, V3's 1.6-2.4x,
+quantizing the rows included).
 
 Within a K tile of 128 columns a block's scale is one number per output column, so it
 multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactly.
@@ -16,7 +22,11 @@ multiplies the tile's dot product, not each weight: e4m3 converts to bf16 exactl
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -25,6 +35,8 @@ from preload.kernels.fused_moe import _launch, fp8_activations
 from preload.kernels.quant import Fp8Weight, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot, slices
 from preload.kernels.triton_dot import dot_dtype
+
+log = logging.getLogger(__name__)
 
 GEMV_ROWS = 16  # rows up to which the split-K kernel runs (its tile has 16 rows)
 ROW_DOT_ROWS = 1  # rows up to which each row is its own program, on the CUDA cores (_row_gemv; at 2 the tile of 16 was faster)
@@ -152,15 +164,75 @@ def fp8_swiglu(x: torch.Tensor, gate: Fp8Weight, up: Fp8Weight) -> torch.Tensor 
     return split_k_gemv(rows.contiguous(), gate, up).view(*x.shape[:-1], gate.q.shape[0])
 
 
+@functools.cache
+def block_scaled_gemm(device: torch.device) -> bool:
+    """Whether `device` runs cuBLASLt's block-scaled fp8 GEMM through torch (F.scaled_mm
+    with 1x128 and 128x128 scales: Hopper, torch 2.10 and later)."""
+    return device.type == "cuda" and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def takes_block_scales(w: Fp8Weight) -> bool:
+    """Whether cuBLASLt takes `w` as it lies: 128 x 128 scales, one per block, row-major;
+    the matrix's rows contiguous, its dimensions multiples of 16 (its TMA's alignment)."""
+    n, k = w.q.shape
+    return (w.block == (128, 128) and w.scale_inv.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
+            and w.scale_inv.is_contiguous() and w.q.stride(1) == 1 and w.q.stride(0) % 16 == 0
+            and n % 16 == 0 and k % 16 == 0)
+
+
+def block_scaled_linear(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """rows [T, K] (bf16) @ W^T through cuBLASLt: the rows quantized per 128 columns
+    (fp8_act.py, the scales by column as it reads them), then one block-scaled fp8 GEMM."""
+    from torch.nn.functional import ScalingType, SwizzleType
+
+    t = rows.shape[0]
+    if t % 16:  # (cuBLASLt refused 301 rows on the H200, CUBLAS_STATUS_NOT_SUPPORTED: their scales' column
+        rows = F.pad(rows, (0, 0, 0, -t % 16))  # would not be 16-byte aligned; a graph's buckets are multiples of 16)
+    q, scales = quantize_groups(rows, scales_by_column=True)
+    w_scales = w.scale_inv
+    if w_scales.shape[1] % 4:  # torch takes a row of K blocks' scales padded to a multiple of 4 (never read;
+        w_scales = F.pad(w_scales, (0, -w_scales.shape[1] % 4), value=1.0)  # torch._scaled_mm misreads them unpadded)
+    return F.scaled_mm(q, w.q.t(), scales, ScalingType.BlockWise1x128, w_scales.t(), ScalingType.BlockWise128x128,
+                       SwizzleType.NO_SWIZZLE, SwizzleType.NO_SWIZZLE, None, rows.dtype)[:t]
+
+
+REFUSED: set[tuple[int, int, int]] = set()  # (rows padded to 16, N, K) that cuBLASLt would not run here
+
+
+def cublaslt_or_none(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor | None:
+    """block_scaled_linear, or None for a shape cuBLASLt refuses on this GPU and library
+    (CUBLAS_STATUS_NOT_SUPPORTED, from its heuristics, before any launch: on the H200 it
+    refused 7168 x 2048 at 301 rows before the rows were padded to 16, where the H100 ran
+    it): that shape then takes the Triton GEMM for good, said once in the log. A graph's
+    step runs once eagerly before its capture (both kinds), so a refusal is met outside it."""
+    key = (-(-rows.shape[0] // 16) * 16, *w.q.shape)
+    if key in REFUSED:
+        return None
+    try:
+        return block_scaled_linear(rows, w)
+    except RuntimeError as e:
+        if "NOT_SUPPORTED" not in str(e):
+            raise
+        REFUSED.add(key)
+        log.warning("cuBLASLt's block-scaled fp8 GEMM refused %d rows x %s here (%s); the Triton GEMM takes it",
+                    key[0], tuple(w.q.shape), str(e).splitlines()[0][:200])
+        return None
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows, the grouped
-    GEMM with one expert and every row its own pair for more."""
+    """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows; for a
+    prefill's rows cuBLASLt's block-scaled GEMM where it runs, else the grouped GEMM with
+    one expert and every row its own pair."""
     shape, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     t, n = rows.shape[0], w.q.shape[0]
     if t <= GEMV_ROWS:
         return split_k_gemv(rows, w).view(*shape, n)
     block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
+    if fp8_activations(block_m) and block_scaled_gemm(x.device) and takes_block_scales(w):
+        out = cublaslt_or_none(rows, w)
+        if out is not None:
+            return out.view(*shape, n)
     capacity = triton.cdiv(t, block_m) * block_m
     pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
     # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)

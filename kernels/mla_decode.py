@@ -126,8 +126,19 @@ def _mla_decode_combine(parts_ptr, lse_ptr, lens_ptr, out_ptr, heads, splits,
 
 def block_n(batch: int) -> int:
     """Context tokens per step of the loop: 16, or 32 once the batch alone fills the GPU
-    (batch 256, 1k: 238 us against 293)."""
-    return 32 if batch >= 128 else 16
+    twice (batch 256, 1k: 238 us against 293). At 128 (the graph of batches 97-128), 16:
+    117 against 159 us at 1k, 224 against 300 at 2k (results/kernels/mla-serving-split-h200.json)."""
+    return 32 if batch >= 256 else 16
+
+
+def combine_tile(splits: int, rank: int) -> tuple[int, int]:
+    """The combine's splits a loop step (CHUNK) and rank columns a program (BLOCK_R): a tile
+    of 4,096 values for one warp. Few splits (serving's batches) then take the whole rank in
+    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.3 us a layer
+    against 25.1 with 128 columns and 4 warps, 64 x 1k 4.0 against 14.3, batch 1 at 128
+    splits 3.1 against 4.8 (H100; results/kernels/mla-combine-h100.json)."""
+    chunk = min(32, triton.next_power_of_2(splits))
+    return chunk, min(rank, 4096 // chunk)
 
 
 def splits_for(batch: int, heads: int, max_context: int) -> int:
@@ -155,10 +166,10 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
         MIN_SPLIT=MIN_SPLIT, num_warps=4,
     )
     out = torch.empty_like(q_lat)
-    block_r = min(128, rank)  # a program per 128 of the rank: 4x the programs of one per head
+    chunk, block_r = combine_tile(splits, rank)
     _mla_decode_combine[(batch, heads, rank // block_r)](
         parts, lse, context_lens, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
-        out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=min(32, triton.next_power_of_2(splits)),
-        BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT, BLOCK_N=bn,
+        out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=chunk, BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT,
+        BLOCK_N=bn, num_warps=1,
     )
     return out

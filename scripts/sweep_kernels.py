@@ -3,7 +3,8 @@ graphs, rotating over several weight copies so L2 holds none of them between lau
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
 (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
 (`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode;
-(`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too.
+(`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too, and
+(`--mla-combine`) the combine of its splits alone.
 (`--prefill [--act]`) the grouped expert GEMMs at a prefill's thousands of tokens (`--act`:
 with e4m3 activations, fp8_act.py).
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
@@ -205,6 +206,40 @@ def mla_sweep():
     return results
 
 
+def mla_combine_sweep():
+    """The MLA decode's combine of the splits alone (its partials made by the split kernel
+    first), over the rank's columns a program takes (BLOCK_R) and warps; "as served" is
+    combine_tile's choice with one warp."""
+    from kernel_cases import paged_case
+
+    results = []
+    for batch, ctx in ((1, 1024), (1, 8192), (64, 1024), (128, 1024), (128, 2048)):
+        case = paged_case([ctx] * batch, 16, 512, 64, 16, False)
+        q_lat, _, _, _, lens = case
+        splits, bn = md.splits_for(batch, 16, 163840), md.block_n(batch)
+        parts = torch.empty(batch, 16, splits, 512, dtype=torch.float32, device=dev)
+        lse = torch.empty(batch, 16, splits, dtype=torch.float32, device=dev)
+        md._mla_decode_split[(batch, 1, splits)](
+            q_lat, case[1], case[2].ptrs, case[3], lens, parts, lse, 16, 0.1,
+            q_lat.stride(0), q_lat.stride(1), case[1].stride(0), case[1].stride(1), case[3].stride(0),
+            parts.stride(0), parts.stride(1), parts.stride(2),
+            R=512, DR=64, PAGE=16, CACHE=triton.language.bfloat16, FP8=False, DOT=triton.language.bfloat16,
+            BLOCK_H=16, BLOCK_N=bn, MIN_SPLIT=md.MIN_SPLIT, num_warps=4)
+        out = torch.empty_like(q_lat)
+        for block_r, warps in itertools.product((64, 128, 256, 512), (1, 2, 4, 8)):
+            def fn(c, block_r=block_r, warps=warps):
+                md._mla_decode_combine[(batch, 16, 512 // block_r)](
+                    parts, lse, lens, out, 16, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
+                    out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=md.combine_tile(splits, 512)[0],
+                    BLOCK_R=block_r, MIN_SPLIT=md.MIN_SPLIT, BLOCK_N=bn, num_warps=warps)
+            results.append(dict(batch=batch, ctx=ctx, splits=splits, block_r=block_r, warps=warps, us=timed(fn)))
+        best = min((r for r in results if r["batch"] == batch and r["ctx"] == ctx), key=lambda r: r["us"])
+        served = next(r for r in results if r["batch"] == batch and r["ctx"] == ctx
+                      and r["block_r"] == md.combine_tile(splits, 512)[1] and r["warps"] == 1)
+        print(f"mla combine {batch}x{ctx} ({splits} splits): as served {served['us']:.1f} us, best", best, file=sys.stderr)
+    return results
+
+
 def mla_serving_sweep():
     """The MLA decode split kernel at serving's batches and contexts (workloads A and B:
     64 to 128 sequences, 1k to 2k tokens), with pipelining depth and splits swept too:
@@ -355,6 +390,9 @@ def moe_decode_sweep():
 if __name__ == "__main__":
     if sys.argv[1:] == ["--moe-decode"]:
         json.dump({"moe_decode": moe_decode_sweep()}, sys.stdout, indent=1)
+        sys.exit(0)
+    if sys.argv[1:] == ["--mla-combine"]:
+        json.dump({"mla_combine": mla_combine_sweep()}, sys.stdout, indent=1)
         sys.exit(0)
     if sys.argv[1:] == ["--mla"]:
         json.dump({"mla_serving": mla_serving_sweep()}, sys.stdout, indent=1)

@@ -94,6 +94,7 @@ class Core:
     def run(self) -> None:
         self._send({"t": "hello", **self.hello_fields})
         last_beat, next_beat = 0.0, 0.0
+        captured = False  # the last idle turn captured a graph: the next looks for messages without waiting
         while not self.retired:
             now = time.monotonic()
             if self.drain_until is not None and (not self.seqs or now > self.drain_until):
@@ -102,12 +103,13 @@ class Core:
                 self._send({"t": "beat", "pid": os.getpid(), "stats": stats_to_wire(self.engine.stats())})
                 last_beat, next_beat, self.freed = now, now + BEAT, False
             busy = self.engine.has_work()
-            if self.sock.poll(0 if busy else int(1000 * max(0.0, min(next_beat - now, BEAT)))):
+            if self.sock.poll(0 if busy or captured else int(1000 * max(0.0, min(next_beat - now, BEAT)))):
                 self._read()
+            captured = False
             if self.engine.has_work():
                 self._step()
-            elif not busy:
-                self.engine.capture_idle()  # (idle: the decode graphs a lazy start left, one at a time)
+            elif not busy:  # idle: the graphs a lazy start left, one at a time, back to back (a request waits for one)
+                captured = self.engine.capture_idle()
             if self.freed or (busy and not self.engine.has_work()):  # the front hears it now
                 next_beat = min(next_beat, last_beat + PROMPT_BEAT)
         log.info("core done (%s)", "retired" if self.retired else "drained")

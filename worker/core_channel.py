@@ -110,4 +110,8 @@ def stats_to_wire(s: EngineStats) -> list:
 
 
 def stats_from_wire(w: list) -> EngineStats:
-    return EngineStats(*w)
+    """An engine's figures from a core's beat. Fields are only ever added at the end, with
+    defaults: an older core's beat reads (the rest at their defaults), and so does a newer
+    core's (what this front does not know of left out), since a front outlives a rolling
+    restart onto new code."""
+    return EngineStats(*w[: len(dataclasses.fields(EngineStats))])

@@ -29,3 +29,39 @@ def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
     assert 1 <= steps["decode"]["steps"] <= asked - 6 and steps["decode"]["ms_per_step"] > 0
     assert steps["decode_ahead"]["steps"] == 0 and steps["gpu_wait_share"] is None
     assert "engine steps: prompt" in r.stdout
+    assert result["config"]["graphs_wait_s"] < 5  # (a CPU captures none: nothing to wait for)
+
+
+def metrics_server(pending: list[float | None]):
+    """An httpx client whose /metrics reports each of `pending` in turn (None: no such
+    series, as another server's), then the last for good."""
+    import httpx
+
+    def handle(request):
+        value = pending.pop(0) if len(pending) > 1 else pending[0]
+        text = "" if value is None else (
+            "# TYPE preload_engine_graphs_pending gauge\n"
+            f'preload_engine_graphs_pending{{worker="slot-0"}} {value}\n'
+            f'preload_engine_graphs_pending{{worker="slot-1"}} 0.0\n')
+        return httpx.Response(200, text=text)
+
+    return httpx.AsyncClient(base_url="http://worker", transport=httpx.MockTransport(handle))
+
+
+def test_the_run_waits_for_the_workers_cuda_graphs_to_be_captured():
+    """A fresh worker captures a graph bucket at its first step of that size (0.1-0.6 s on
+    the H200): the recorded run starts once /metrics says none is left (summed over the
+    workers), at once where the series is absent (another server, a CPU), and gives up
+    past its timeout naming how many were left."""
+    import asyncio
+
+    import pytest
+
+    from preload.bench.serve import wait_for_graphs
+
+    said = []
+    waited = asyncio.run(wait_for_graphs(metrics_server([3.0, 2.0, 1.0, 0.0]), said.append, poll=0.01))
+    assert waited >= 0.03 and said == ["waiting for the workers to capture 3 CUDA graph bucket(s)"]
+    assert asyncio.run(wait_for_graphs(metrics_server([None]), poll=10.0)) < 1.0
+    with pytest.raises(RuntimeError, match="still had 5 CUDA graph bucket"):
+        asyncio.run(wait_for_graphs(metrics_server([5.0]), timeout=0.05, poll=0.01))

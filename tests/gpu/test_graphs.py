@@ -101,6 +101,9 @@ def test_requests_ending_by_length_at_different_steps_give_what_steps_one_at_a_t
                                            temperature=0.7 if i % 2 else 0.0))
                 for i, p in enumerate(prompts(9, seed=5))]
 
+    # (so that both runs find the prompts' full blocks in the prefix cache and compute the
+    # same tails: the first run to see a prompt computes all of it, in steps of other shapes)
+    run_to_end(engine, [Sequence(p, SamplingParams(max_tokens=1)) for p in prompts(9, seed=5)])
     ahead = run_to_end(engine, make())
     engine.pipeline = None
     try:
@@ -152,8 +155,11 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
     assert set(buckets) == {4} and sorted(lazy.graphs.graphs) == [4, 40]  # (three sequences: captured at first use)
 
     order = []
+    pending = [lazy.engine.stats().graphs_pending]  # (what /metrics shows, and bench serve waits on)
+    assert pending[0] == len(lazy.graphs.pending) + len(lazy.engine.prompt_graphs.pending)
     while lazy.graphs.pending:
         assert lazy.engine.capture_idle()
+        pending.append(lazy.engine.stats().graphs_pending)
         order.append(max(set(lazy.graphs.graphs) - set(order) - {4, 40}, default=None))
     assert order == [1, 2, 8, 16, 24, 32] and sorted(lazy.graphs.graphs) == [1, 2, 4, 8, 16, 24, 32, 40]
     # then the prompt steps' buckets, largest first, a few pieces a turn (prompt_graphs.py)
@@ -163,6 +169,7 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
         assert prompt_graphs.pending[-1] == largest and lazy.engine.capture_idle()
     while prompt_graphs.pending:
         assert lazy.engine.capture_idle()
+    assert pending == list(range(pending[0], pending[0] - 7, -1)) and lazy.engine.stats().graphs_pending == 0
     assert not lazy.engine.capture_idle()  # nothing left
     buckets.clear()
     one = eager.generate(batch[:1], max_tokens=16, logprobs=5, ignore_eos=True)

@@ -15,7 +15,7 @@ from kernel_cases import DEVICE, experts  # noqa: E402
 
 from preload.kernels.fp8 import dequantize_block, quantize_block  # noqa: E402
 from preload.kernels.fp8_act import GROUP, quantize_groups  # noqa: E402
-from preload.kernels.fp8_linear import fp8_linear  # noqa: E402
+from preload.kernels.fp8_linear import block_scaled_gemm, block_scaled_linear, fp8_linear, takes_block_scales  # noqa: E402
 from preload.kernels.fused_moe import block_rows, fp8_activations, fused_moe, stack_experts  # noqa: E402
 from preload.kernels.linear import dense  # noqa: E402
 from preload.kernels.moe import moe_experts, swiglu  # noqa: E402
@@ -39,6 +39,14 @@ def test_values_and_scales_are_the_references_bit_for_bit(shape):
     assert q.dtype == torch.float8_e4m3fn and q.shape == shape and scale.shape == (shape[0], -(-shape[1] // GROUP))
     assert torch.equal(q.view(torch.uint8), want_q.to(DEVICE).view(torch.uint8))
     assert torch.equal(scale, want_scale.to(DEVICE))
+
+
+def test_scales_by_column_are_the_same_scales_stored_as_cublaslt_reads_them():
+    x = (torch.randn(37, 300, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16).to(DEVICE)
+    q, scale = quantize_groups(x)
+    q_col, scale_col = quantize_groups(x, scales_by_column=True)
+    assert scale_col.shape == scale.shape and scale_col.stride() == (1, 37)
+    assert torch.equal(scale_col, scale) and torch.equal(q_col.view(torch.uint8), q.view(torch.uint8))
 
 
 def moe_case(tokens: int, num: int, top_k: int, d: int, inner: int, seed: int = 0):
@@ -99,3 +107,58 @@ def test_experts_at_real_shapes_with_e4m3_activations(shape):
     # x and h are each rounded once, independently.
     err = (got - exact).norm() / exact.norm()
     assert err < 5e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2048, 301])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (576, 2048), (4096, 512), (2048, 2816), (24576, 1536), (7168, 2048)])
+def test_a_prefills_dense_rows_through_cublaslt_give_what_the_reference_does(n, k, rows):
+    """V2-Lite's and V3's dense matrices (2816: K blocks not a multiple of 4, whose scales
+    torch takes padded) at a prefill's rows, where fp8_linear takes cuBLASLt's block-scaled
+    GEMM (on Hopper): the e4m3 rows through the dequantized weights, within float32
+    rounding, as the Triton path gives."""
+    if not block_scaled_gemm(torch.device(DEVICE)):
+        pytest.skip("cuBLASLt's block-scaled fp8 GEMM needs Hopper and torch >= 2.10")
+    gen = torch.Generator().manual_seed(n + k)
+    q, scale = quantize_block(torch.randn(n, k, generator=gen) * 0.05)
+    weight = Fp8Weight(q.to(DEVICE), scale.to(DEVICE), (128, 128))
+    assert takes_block_scales(weight)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+    got = fp8_linear(x, weight).float()
+    assert torch.equal(got, block_scaled_linear(x, weight).float())  # (the path taken)
+    mirrored = through_e4m3(x) @ weight.dequantize(torch.float32).T
+    top = mirrored.abs().max().item()
+    assert torch.allclose(got, mirrored, atol=1e-2 * top, rtol=1e-2), (got - mirrored).abs().max() / top
+
+
+def test_a_shape_cublaslt_refuses_takes_the_triton_gemm_for_good(monkeypatch, caplog):
+    """cuBLASLt may refuse a shape on one GPU that it runs on another (NOT_SUPPORTED, from
+    its heuristics): fp8_linear then gives the Triton path's result, asks no more for that
+    shape, and says so once; any other error is not swallowed."""
+    import preload.kernels.fp8_linear as fl
+
+    gen = torch.Generator().manual_seed(3)
+    q, scale = quantize_block(torch.randn(256, 256, generator=gen) * 0.05)
+    weight = Fp8Weight(q.to(DEVICE), scale.to(DEVICE), (128, 128))
+    x = torch.randn(301, 256, generator=gen).to(torch.bfloat16).to(DEVICE)  # a prefill's rows: e4m3 activations
+    want = fp8_linear(x, weight)  # (the Triton path: no cuBLASLt here)
+    tried = []
+
+    def refuse(rows, w):
+        tried.append(rows.shape[0])
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmul(...)`")
+
+    monkeypatch.setattr(fl, "block_scaled_gemm", lambda device: True)
+    monkeypatch.setattr(fl, "block_scaled_linear", refuse)
+    monkeypatch.setattr(fl, "REFUSED", set())
+    assert takes_block_scales(weight)
+    assert torch.equal(fp8_linear(x, weight), want) and torch.equal(fp8_linear(x, weight), want)
+    assert tried == [301] and fl.REFUSED == {(304, 256, 256)}
+    assert sum("refused 304 rows" in r.getMessage() for r in caplog.records) == 1
+
+    def fail(rows, w):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(fl, "block_scaled_linear", fail)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        fp8_linear(torch.cat([x, x[:30]]), weight)  # (331 rows: another shape)

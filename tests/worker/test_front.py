@@ -299,3 +299,17 @@ def test_requests_dropped_together_cost_one_abort_and_the_core_says_at_once_they
     heard, stats = beats[0]
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0, stats
     assert heard - dropped < 2.0  # (~0.01-0.05 s: the step under way, then the beat)
+
+
+def test_a_cores_figures_read_across_versions():
+    """A front outlives a rolling restart onto new code: a beat with fields it does not
+    know of (a newer core's) reads, and one without its newest (an older core's) too."""
+    import dataclasses
+
+    from preload.worker.core_channel import stats_from_wire, stats_to_wire
+    from preload.worker.engine.engine import EngineStats
+
+    s = EngineStats(1, 2, 3, 64, 0, 10, 5, 0, 0, 4096, graphs_pending=7)
+    assert stats_from_wire(stats_to_wire(s)) == s
+    assert stats_from_wire(stats_to_wire(s) + [123, "a field of later"]) == s
+    assert stats_from_wire(stats_to_wire(s)[:10]) == dataclasses.replace(s, graphs_pending=0)

@@ -90,6 +90,9 @@ class WorkerMetrics:
         self.kv_usage = gauge("preload_kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0-1)")
         self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
+        self.graphs_pending = gauge("preload_engine_graphs_pending", "CUDA graph buckets not captured yet (decode and"
+                                    " prompt steps): a step of such a size captures one first, an idle engine"
+                                    " captures them one at a time")
         self._counted: dict[str, int] = {}  # the engine's running totals as last counted
         self._created_for: tuple | None = None  # the worker and engine labels whose series exist already
         engine.on_step = self.update_gauges
@@ -106,6 +109,7 @@ class WorkerMetrics:
         self.label(self.kv_usage).set(s.kv_blocks_used / max(s.kv_blocks_total, 1))
         self.label(self.kv_used).set(s.kv_blocks_used)
         self.label(self.kv_total).set(s.kv_blocks_total)
+        self.label(self.graphs_pending).set(s.graphs_pending)
         for key, metric, total in (("preemptions", self.preemptions, s.preemptions),
                                    ("prefix_queries", self.prefix_queries, s.prefix_queried_tokens),
                                    ("prefix_hits", self.prefix_hits, s.prefix_hit_tokens),

@@ -56,6 +56,7 @@ class EngineStats:
     decode_step_seconds: float = 0.0
     decode_ahead_step_seconds: float = 0.0
     gpu_wait_seconds: float = 0.0
+    graphs_pending: int = 0  # CUDA graph buckets (decode and prompt steps) still to be captured
 
 
 def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
@@ -195,15 +196,13 @@ class Engine:
         pieces of the largest bucket of prompt steps not captured yet (prompt_graphs.py: the
         token budget is the size a busy engine's steps take most), between steps, while
         nothing waits; False if none is left."""
-        if self.has_work():
+        if self.has_work() or not self.graphs_pending():
             return False
         if self.graphs is not None and self.graphs.pending:
             return self._capture(self.graphs.pending[:1])
-        prompts = self.prompt_graphs
-        if prompts is not None and prompts.pending:
-            prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
-            return True
-        return False
+        prompts = self.prompt_graphs  # (what graphs_pending counted: a prompt bucket)
+        prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
+        return True
 
     def _capture(self, sizes: list[int]) -> bool:
         return self.graphs.ensure(self.cache, self.scratch_block, sizes)
@@ -214,7 +213,13 @@ class Engine:
         d = self.drafter
         return EngineStats(len(s.waiting), len(s.running), b.used, b.num_blocks, s.preemptions, b.queried_tokens,
                            b.hit_tokens, d.drafted if d else 0, d.accepted if d else 0, self.max_model_len,
-                           *self.clock.totals())
+                           *self.clock.totals(), self.graphs_pending())
+
+    def graphs_pending(self) -> int:
+        """The graph buckets a step of their size would capture first (0.1-0.6 s on the
+        H200) and an idle engine captures one at a time (capture_idle): the target's decode
+        (and verify) steps' and, without a drafter, the prompt steps'."""
+        return sum(len(g.pending) for g in (self.graphs, self.prompt_graphs) if g is not None)
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
