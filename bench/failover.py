@@ -178,16 +178,17 @@ def figures(outcomes: list[Outcome], want: list[str], killed_at: list[float]) ->
             pauses.append(max(spanning) - typical)
     return {"requests": len(outcomes), "failed": len(failed), "errors": sorted({o.error for o in failed})[:10],
             "outputs_differ": len(differ), "met_no_kill": len(calm),
-            "differ_met_no_kill": sum(o.text != want[o.prompt] for o in calm), "streams": sum(o.stream for o in outcomes), "median_chunk_gap_s": typical,
-            "added_latency_s": quantiles(pauses, (50, 90)), "kills_seen_by_a_stream": len(pauses)}
+            "differ_met_no_kill": sum(o.text != want[o.prompt] for o in calm), "streams": sum(o.stream for o in outcomes),
+            "median_chunk_gap_s": typical, "added_latency_s": quantiles(pauses, (50, 90)),
+            "kills_seen_by_a_stream": len(pauses)}
 
 
 def run_failover(model: Path, device: str, clients: list[int], kills: int, max_tokens: int, spares: int,
                  speculative_tokens: int, progress) -> dict:
     """`speculative_tokens`: with MTP drafts (the model's MTP layer), so that kills land mid-drafting too."""
     t0 = time.perf_counter()
-    result = begin("failover", device, Gpu.for_device(device)) | {"model": str(model), "spare_workers": spares, "runs": [],
-                                          "speculative_tokens": speculative_tokens}
+    result = begin("failover", device, Gpu.for_device(device)) | {
+        "model": str(model), "spare_workers": spares, "runs": [], "speculative_tokens": speculative_tokens}
     spec = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": speculative_tokens})
             ) if speculative_tokens else ()
     with running_daemon(model, "--device", device, "--workers", 1, "--spare-workers", spares, "--dtype",

@@ -28,7 +28,8 @@ def _store_row(ptrs_ptr, which, slot, src, WIDTH: tl.constexpr, BLOCK: tl.conste
     i = tl.arange(0, BLOCK)
     live = i < WIDTH
     x = tl.load(src + i, mask=live, other=0.0).to(tl.float32)
-    pool = tl.load(ptrs_ptr + which).to(tl.pointer_type(CACHE))
+    # (16-byte aligned, as every pool: said, so that a row is stored in vectors, not element by element)
+    pool = tl.multiple_of(tl.load(ptrs_ptr + which).to(tl.pointer_type(CACHE)), 16)
     if FP8:  # as quantize_rows: scale = max(amax, 1e-12) / 448, rows stored as x / scale
         scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
         tl.store(pool + slot * WIDTH + i, (x / scale).to(CACHE), mask=live)

@@ -65,8 +65,11 @@ def _mla_decode_split(
     hmask = h < heads
     if lo >= hi:  # past the sequence's end: the combine reads only the splits that wrote
         return
-    c_kv_ptr = tl.load(ptrs_ptr).to(tl.pointer_type(CACHE))
-    k_pe_ptr = tl.load(ptrs_ptr + 1).to(tl.pointer_type(CACHE))
+    # Addresses read from the table say nothing of their alignment: told it (pools start at
+    # 256-byte offsets, kv_cache.CacheMemory), the compiler vectorizes the rows' loads and
+    # copies them a step ahead (num_stages); without it each step waited for its own rows.
+    c_kv_ptr = tl.multiple_of(tl.load(ptrs_ptr).to(tl.pointer_type(CACHE)), 16)
+    k_pe_ptr = tl.multiple_of(tl.load(ptrs_ptr + 1).to(tl.pointer_type(CACHE)), 16)
     r, dr = tl.arange(0, R), tl.arange(0, DR)
     q_lat = tl.load(q_lat_ptr + b * stride_qb + h[:, None] * stride_qh + r[None, :], mask=hmask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + b * stride_pb + h[:, None] * stride_ph + dr[None, :], mask=hmask[:, None], other=0.0)
@@ -134,7 +137,7 @@ def block_n(batch: int) -> int:
 def combine_tile(splits: int, rank: int) -> tuple[int, int]:
     """The combine's splits a loop step (CHUNK) and rank columns a program (BLOCK_R): a tile
     of 4,096 values for one warp. Few splits (serving's batches) then take the whole rank in
-    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.3 us a layer
+    one program, many (batch 1) a quarter of it: at 128 x 1k (3 splits) 4.4 us a layer
     against 25.1 with 128 columns and 4 warps, 64 x 1k 4.0 against 14.3, batch 1 at 128
     splits 3.1 against 4.8 (H100; results/kernels/mla-combine-h100.json)."""
     chunk = min(32, triton.next_power_of_2(splits))

@@ -98,3 +98,32 @@ def test_the_engine_with_prompt_graphs_gives_the_eager_greedy_tokens(pair, count
         del graphed.engine.prompt_graphs.forward  # (the method again)
     assert replayed and max(replayed) > count  # the prompts' steps were replayed
     assert_same_greedy(got, want)
+
+
+def test_prompt_graphs_captured_against_a_warm_up_cache_serve_the_slots_cache():
+    """As a spare does (worker/serve.py, capture_prompt_graphs): every bucket captured while
+    its engine has a cache of a few blocks, then a cache 16x larger for its slot; the same
+    pieces are replayed (their cache writes go through the address table) and the greedy
+    tokens are eager's."""
+    options = EngineOptions(kv_cache_memory=4 << 20, max_num_seqs=8, max_num_batched_tokens=512)
+    spare = LLM(BUNDLED_MODEL, device="cuda", engine=options)
+    captures = 0
+    while spare.engine.capture_idle():
+        captures += 1
+    prompt_graphs = spare.engine.prompt_graphs
+    assert captures and not prompt_graphs.pending and sorted(prompt_graphs.graphs) == token_buckets(512)
+    spare.start_engine(replace(options, kv_cache_memory=64 << 20))
+    assert spare.engine.prompt_graphs is prompt_graphs and spare.engine.graphs_pending() == 0
+    eager = LLM(BUNDLED_MODEL, device="cuda", engine=replace(options, kv_cache_memory=64 << 20, enforce_eager=True))
+    replayed, forward = [], prompt_graphs.forward
+    prompt_graphs.forward = lambda tokens, *a: replayed.append(len(tokens)) or forward(tokens, *a)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        batch = [torch.randint(3, 2000, (int(n),), generator=gen).tolist()
+                 for n in torch.randint(20, 400, (5,), generator=gen)]
+        got = spare.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
+        want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
+    finally:
+        del prompt_graphs.forward
+    assert replayed and not prompt_graphs.pending  # replayed, nothing captured for the new cache
+    assert_same_greedy(got, want)

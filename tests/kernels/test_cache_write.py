@@ -54,3 +54,15 @@ def test_the_kernel_writes_what_torch_writes(fp8, rank, rope):
     assert (got.c_kv[untouched].float() == 0).all()
     if fp8:
         assert (got.c_scale[untouched] == -1).all() and (got.c_scale[slots] > 0).all()
+
+
+def test_on_hopper_a_row_is_stored_in_vectors():
+    """The pool's address comes from the table, so the kernel says it is 16-byte aligned:
+    a bf16 row of 512 is then stored 8 bytes a thread, not 2 (compiled for sm_90 here)."""
+    from hopper_compile import compile_for_hopper, count
+
+    signature = {"ptrs_ptr": "*i64", "slots_ptr": "*i64", "c_ptr": "*bf16", "k_ptr": "*bf16", "stride_c": "i32",
+                 "stride_k": "i32"}
+    constexprs = dict(R=512, DR=64, BLOCK_R=512, BLOCK_DR=64, CACHE="tl.bfloat16", FP8=False, FP8_MAX=448.0)
+    ptx = compile_for_hopper("preload.kernels.cache_write", "_write_latents", signature, constexprs)["ptx"]
+    assert count(ptx, "st.global.v2.b32") + count(ptx, "st.global.v4.b32") >= 1

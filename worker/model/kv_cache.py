@@ -109,6 +109,8 @@ class LatentCache:
         if torch.device(device).type == "cuda":
             self.ptrs = ptrs if ptrs is not None else torch.empty(num_layers, 4, dtype=torch.long, device=device)
             addresses = [Pools(*layer).addresses() for layer in zip(self.c_kv, self.k_pe, self.c_kv_scale, self.k_pe_scale)]
+            # (the kernels that read these are told so: tl.multiple_of in mla_decode.py, cache_write.py)
+            assert all(a % 16 == 0 for layer in addresses for a in layer), "a KV pool not 16-byte aligned"
             self.ptrs.copy_(torch.tensor(addresses, dtype=torch.long))
 
     @staticmethod
