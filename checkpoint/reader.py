@@ -16,7 +16,7 @@ from preload.checkpoint.headers import CheckpointError, header_problem, safetens
 from preload.checkpoint.pages import populate
 from preload.checkpoint.shapes import wanted_shapes
 from preload.kernels.fp8 import FP8
-from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
+from preload.kernels.quant import SCALE_SUFFIX
 
 
 class CheckpointReader:
@@ -87,17 +87,6 @@ def iter_checkpoint(model_dir: str | Path, cfg: ModelConfig) -> Iterator[SourceT
             if tuple(tensor.shape) != shape:
                 raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config expects {shape}")
             yield SourceTensor(name, tensor, scale_inv, path)
-
-
-def load_checkpoint(
-    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device="cpu", quant: str = "none"
-) -> dict[str, torch.Tensor]:
-    """Every tensor the model needs, quantized as asked, on `device`."""
-    weights = {}
-    for src in iter_checkpoint(model_dir, cfg):
-        scale = None if src.scale_inv is None else src.scale_inv.to(device)
-        weights |= quantize_weight(src.name, src.tensor.to(device), scale, cfg.fp8_block, quant, dtype)
-    return weights
 
 
 def resolve_dtype(dtype: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:

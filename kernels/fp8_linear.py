@@ -180,14 +180,21 @@ def takes_block_scales(w: Fp8Weight) -> bool:
             and n % 16 == 0 and k % 16 == 0)
 
 
+def padded_rows(t: int) -> int:
+    """The rows cuBLASLt is given for t: a multiple of 16 (it refused 301 rows on the H200,
+    CUBLAS_STATUS_NOT_SUPPORTED: their scales' column would not be 16-byte aligned; a
+    graph's buckets are multiples of 16 already)."""
+    return t + -t % 16
+
+
 def block_scaled_linear(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """rows [T, K] (bf16) @ W^T through cuBLASLt: the rows quantized per 128 columns
     (fp8_act.py, the scales by column as it reads them), then one block-scaled fp8 GEMM."""
     from torch.nn.functional import ScalingType, SwizzleType
 
     t = rows.shape[0]
-    if t % 16:  # (cuBLASLt refused 301 rows on the H200, CUBLAS_STATUS_NOT_SUPPORTED: their scales' column
-        rows = F.pad(rows, (0, 0, 0, -t % 16))  # would not be 16-byte aligned; a graph's buckets are multiples of 16)
+    if padded_rows(t) != t:
+        rows = F.pad(rows, (0, 0, 0, padded_rows(t) - t))
     q, scales = quantize_groups(rows, scales_by_column=True)
     w_scales = w.scale_inv
     if w_scales.shape[1] % 4:  # torch takes a row of K blocks' scales padded to a multiple of 4 (never read;
@@ -205,7 +212,7 @@ def cublaslt_or_none(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor | None:
     refused 7168 x 2048 at 301 rows before the rows were padded to 16, where the H100 ran
     it): that shape then takes the Triton GEMM for good, said once in the log. A graph's
     step runs once eagerly before its capture (both kinds), so a refusal is met outside it."""
-    key = (-(-rows.shape[0] // 16) * 16, *w.q.shape)
+    key = (padded_rows(rows.shape[0]), *w.q.shape)
     if key in REFUSED:
         return None
     try:

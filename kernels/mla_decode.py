@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it
 
 # Swept on an H200 inside CUDA graphs at V2-Lite's shapes (16 heads, rank 512), batch 1 to
 # 256, contexts 1k and 8k (results/kernels/moe-tiles-h200.json, "mla"): short steps of the loop
-# and short splits keep more loads in flight; 4 warps beat 8 everywhere but at batch 1.
+# and short splits kept more loads in flight while the loads were not pipelined (block_n now
+# says otherwise from batch 4); 4 warps beat 8 everywhere but at batch 1.
 BLOCK_H = 16  # heads per program: the smallest tile a tensor-core dot takes
 MIN_SPLIT = 16  # tokens a split covers at least (batch 1, 1k context: 5.9 us against 11.7 with 64)
 TARGET_PROGRAMS = 264  # about two per multiprocessor of an H200 (132)
@@ -128,10 +129,12 @@ def _mla_decode_combine(parts_ptr, lse_ptr, lens_ptr, out_ptr, heads, splits,
 
 
 def block_n(batch: int) -> int:
-    """Context tokens per step of the loop: 16, or 32 once the batch alone fills the GPU
-    twice (batch 256, 1k: 238 us against 293). At 128 (the graph of batches 97-128), 16:
-    117 against 159 us at 1k, 224 against 300 at 2k (results/kernels/mla-serving-split-h200.json)."""
-    return 32 if batch >= 256 else 16
+    """Context tokens per step of the loop. Once the rows' loads are pipelined (the pools'
+    alignment, above) longer steps win from batch 4: the whole call at 64 x 1k 42.5 us with
+    32 against 50.8 with 16, 128 x 4k 230 against 312, within 4% of 64's best everywhere
+    from 4 to 128; batch 1 keeps 16 (1k: 8.4 against 9.1), a split being at least one step
+    long (H100; results/kernels/mla-block-h100.json)."""
+    return 16 if batch < 4 else 32
 
 
 def combine_tile(splits: int, rank: int) -> tuple[int, int]:
@@ -146,9 +149,11 @@ def combine_tile(splits: int, rank: int) -> tuple[int, int]:
 
 def splits_for(batch: int, heads: int, max_context: int) -> int:
     """How many parts each sequence's context may be cut into: enough programs to fill the
-    GPU, none shorter than MIN_SPLIT tokens at max_context, at most MAX_SPLITS."""
+    GPU without starting a wave it would not fill (128 x 1k: 2 splits 66.9 us, 3 79.9; 128 x 2k
+    119.5 against 143; H100, 32 tokens a step, results/kernels/mla-serving-aligned-h100.json),
+    none shorter than MIN_SPLIT tokens at max_context, at most MAX_SPLITS."""
     programs = batch * triton.cdiv(heads, BLOCK_H)
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(max_context, MIN_SPLIT), MAX_SPLITS))
+    return max(1, min(TARGET_PROGRAMS // programs, triton.cdiv(max_context, MIN_SPLIT), MAX_SPLITS))
 
 
 def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, block_table: torch.Tensor,

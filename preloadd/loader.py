@@ -20,11 +20,10 @@ import torch
 from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.finite import all_finite
 from preload.checkpoint.identity import tensor_digest
-from preload.checkpoint.reader import CheckpointReader, SourceTensor, iter_checkpoint
-from preload.checkpoint.shapes import wanted_shapes
+from preload.checkpoint.reader import SourceTensor, iter_checkpoint
 from preload.ipc.arena import create_arena
 from preload.ipc.layout import TensorEntry, pack
-from preload.kernels.precision import stored_specs
+from preload.ipc.packed_weights import stored_specs_of
 from preload.kernels.quant import SCALE_SUFFIX, quantize_weight
 from preload.preloadd.copy_loader import aux_files, aux_specs, check_memory, manifest_of, nonfinite, publish
 from preload.preloadd.weights import Loaded, Progress
@@ -34,13 +33,8 @@ LOADER_THREADS = 8
 
 def plan(cfg: ModelConfig, model_dir: Path, quant: str, dtype: torch.dtype) -> tuple[list[TensorEntry], int, dict[str, bytes]]:
     """Arena entries for every stored tensor and for the tokenizer/config files."""
-    with CheckpointReader(model_dir) as reader:
-        shapes = wanted_shapes(cfg, reader)
-    dtype_name = str(dtype).removeprefix("torch.")
-    specs = [(name, stored_dtype, stored_shape) for source, shape in shapes.items()
-             for name, (stored_dtype, stored_shape) in stored_specs(source, shape, quant, dtype_name).items()]
     files = aux_files(model_dir)
-    entries, size = pack(specs + aux_specs(files))
+    entries, size = pack(stored_specs_of(cfg, model_dir, quant, dtype) + aux_specs(files))
     return entries, size, files
 
 

@@ -3,8 +3,9 @@ graphs, rotating over several weight copies so L2 holds none of them between lau
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
 (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
 (`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode;
-(`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too, and
-(`--mla-combine`) the combine of its splits alone.
+(`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too,
+(`--mla-combine`) the combine of its splits alone, (`--mla-block`) the whole call over the loop's
+step from batch 1 to 128, and
 (`--prefill [--act]`) the grouped expert GEMMs at a prefill's thousands of tokens (`--act`:
 with e4m3 activations, fp8_act.py).
 It sets the kernels' module constants and tile hook directly: a tuning tool, not product.
@@ -271,6 +272,24 @@ def mla_serving_sweep():
     return results
 
 
+def mla_block_sweep():
+    """The whole MLA decode call (split + combine, splits as served) over the loop's step
+    (block_n 16 / 32 / 64) from batch 1 to 128: where the served block_n should change."""
+    from kernel_cases import paged_case
+
+    served, results = md.block_n, []
+    for batch, ctx in itertools.product((1, 4, 8, 16, 24, 32, 48, 64, 128), (1024, 4096)):
+        cases = [paged_case([ctx] * batch, 16, 512, 64, 16, False, seed=s) for s in range(COPIES)]
+        row = dict(batch=batch, ctx=ctx, served=served(batch))
+        for bn in (16, 32, 64):
+            md.block_n = lambda _, bn=bn: bn  # (mla_decode_latent reads the module's)
+            row[f"us_{bn}"] = timed(lambda c: md.mla_decode_latent(*cases[c][:4], cases[c][4], 16, 163840, 0.1))
+        md.block_n = served
+        results.append(row)
+        print("mla block", row, file=sys.stderr)
+    return results
+
+
 def full_call_mla():
     from kernel_cases import paged_case
     results = []
@@ -393,6 +412,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1:] == ["--mla-combine"]:
         json.dump({"mla_combine": mla_combine_sweep()}, sys.stdout, indent=1)
+        sys.exit(0)
+    if sys.argv[1:] == ["--mla-block"]:
+        json.dump({"mla_block": mla_block_sweep()}, sys.stdout, indent=1)
         sys.exit(0)
     if sys.argv[1:] == ["--mla"]:
         json.dump({"mla_serving": mla_serving_sweep()}, sys.stdout, indent=1)

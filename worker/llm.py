@@ -11,11 +11,12 @@ import torch
 
 from preload.checkpoint.config import ModelConfig
 from preload.checkpoint.identity import IdentityError, verify_checkpoint
-from preload.checkpoint.reader import load_checkpoint, resolve_dtype
+from preload.checkpoint.reader import resolve_dtype
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.devices import resolve_device_name
 from preload.kernels import ahead
 from preload.ipc.kv_memory import KvMemory
+from preload.ipc.packed_weights import load_checkpoint
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
 from preload.worker.engine.cuda_graphs import DecodeGraphs

@@ -122,7 +122,8 @@ def test_absorbed_products_at_real_shapes(heads, batch):
 
 @pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("lens", [[1, 1000, 8192], [4096] * 32])
+@pytest.mark.parametrize("lens", [[1, 1000, 8192], [4096] * 32, [1, 17, 63, 64, 65, 2000] * 6],
+                         ids=["few", "batch 32", "mixed 36"])  # (from batch 4: 32 tokens a step)
 def test_mla_decode_at_real_shapes(heads, fp8, lens):
     from kernel_cases import as_float, paged_case
 

@@ -17,7 +17,8 @@ from preload.kernels.mla_decode import mla_decode_latent, splits_for  # noqa: E4
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("lens, heads", [([1], 4), ([17, 300, 1000], 20), ([64, 5], 16)])
+@pytest.mark.parametrize("lens, heads", [([1], 4), ([17, 300, 1000], 20), ([64, 5], 16),
+                                        ([1, 31, 33, 70, 5], 16)])  # (batch 5: 32 tokens a step)
 def test_the_kernel_equals_gathering_the_context(lens, heads, fp8):
     rank, rope, page, scale = 64, 16, 16, 0.1
     q_lat, q_pe, pools, table, ctx = paged_case(lens, heads, rank, rope, page, fp8)
@@ -31,7 +32,7 @@ def test_the_kernel_equals_gathering_the_context(lens, heads, fp8):
 def test_long_contexts_are_split_and_short_ones_are_not():
     assert splits_for(batch=1, heads=16, max_context=8192) > 1
     assert splits_for(batch=1, heads=16, max_context=10) == 1
-    assert splits_for(batch=256, heads=16, max_context=8192) == 2  # the batch alone fills the GPU
+    assert splits_for(batch=256, heads=16, max_context=8192) == 1  # the batch alone fills the GPU
     assert splits_for(batch=1, heads=16, max_context=1 << 20) == 128  # bounded, whatever the context
 
 

@@ -10,7 +10,7 @@ from train_tiny import train_forward
 
 from preload import BUNDLED_MODEL, LLM
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.reader import load_checkpoint
+from preload.ipc.packed_weights import load_checkpoint
 from preload.worker.model.deepseek import Transformer
 
 HELDOUT = Path(__file__).parents[1] / "data" / "heldout.txt"

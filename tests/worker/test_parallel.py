@@ -15,7 +15,7 @@ import torch
 
 from preload import BUNDLED_MODEL, LLM
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.reader import load_checkpoint
+from preload.ipc.packed_weights import load_checkpoint
 from preload.worker.model.parallel import Ranks, rank_config, shard
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 41], [17] * 20]
