@@ -11,8 +11,9 @@ output_len - 1 steps, every sequence in each) are timed apart; decode tok/s is
 batch * (output_len - 1) / decode seconds. With drafts (speculative decoding: the MTP
 layer's, or with `draft_model` a small model's of the same vocabulary) a "step" is a verify
 pass: ms/step is per pass, tok/s counts tokens; beside the same case without drafts, its
-step's time ratio, the speedup measured, and the speedups that ratio allows at acceptances
-0.5 / 0.7 / 0.9 (`add_speedups`).
+step's time ratio, the least that ratio can be by the bytes the drafts add (`step_floor`),
+the speedup measured, and the speedups the ratio allows at acceptances 0.5 / 0.7 / 0.9
+(`add_speedups`).
 
 The limit: a decode step must read every weight it uses once (dense layers, attention,
 shared experts, the output head, and the routed experts that the batch's tokens touch,
@@ -34,7 +35,7 @@ import torch
 
 from preload.bench.results import begin, finish, row
 from preload.checkpoint.config import ModelConfig
-from preload.checkpoint.shapes import checkpoint_shapes
+from preload.checkpoint.shapes import checkpoint_shapes, mtp_shapes
 from preload.kernels.quant import stored_layout
 from preload.options import EngineOptions
 from preload.worker.engine.sampling_params import SamplingParams
@@ -58,23 +59,53 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / best
 
 
-def step_bytes(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, context: int) -> int:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read."""
+def _weight_bytes(cfg: ModelConfig, shapes: dict, quant: str, dtype: torch.dtype, rows: int) -> float:
+    """Bytes of `shapes` a step of `rows` tokens reads: the embedding's rows looked up, the
+    routed experts the rows touch (expected, routing uniform), every other tensor whole."""
     dense, per_expert = 0, {}
-    for name, shape in checkpoint_shapes(cfg, with_mtp=False).items():
+    for name, shape in shapes.items():
         nbytes = sum(dt.itemsize * torch.Size(s).numel() for dt, s in stored_layout(name, shape, quant, dtype).values())
         if name == "model.embed_tokens.weight":
-            nbytes = nbytes // cfg.vocab_size * batch  # only the rows looked up
+            nbytes = nbytes // cfg.vocab_size * rows  # only the rows looked up
         if ".experts." in name:
             layer = int(name.split(".")[2])
             per_expert[layer] = per_expert.get(layer, 0) + nbytes / cfg.n_routed_experts
         else:
             dense += nbytes
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    touched = e * (1 - (1 - k / e) ** batch) if e else 0
-    experts = sum(per_expert.values()) * touched
+    touched = e * (1 - (1 - k / e) ** rows) if e else 0
+    return dense + sum(per_expert.values()) * touched
+
+
+def step_bytes(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, context: int) -> int:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read."""
     cache = batch * context * bytes_per_token(cfg, cfg.num_layers, dtype)
-    return int(dense + experts + cache)
+    return int(_weight_bytes(cfg, checkpoint_shapes(cfg, with_mtp=False), quant, dtype, batch) + cache)
+
+
+def draft_step_bytes(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, context: int,
+                     draft: ModelConfig | None = None) -> int:
+    """Bytes one draft step of `batch` sequences must read: the MTP layer's block (its own
+    experts as the rows touch them, its layer's cache) and the output head it shares with
+    the target; or, with `draft`, the draft model's whole step."""
+    if draft is not None:
+        return step_bytes(draft, "none", dtype, batch, context)
+    shapes = mtp_shapes(cfg) | {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}  # (the head, tied or not)
+    return int(_weight_bytes(cfg, shapes, quant, dtype, batch) + batch * context * bytes_per_token(cfg, 1, dtype))
+
+
+def step_floor(cfg: ModelConfig, quant: str, dtype: torch.dtype, batch: int, context: int, k: int,
+               draft: ModelConfig | None = None) -> float:
+    """The least a step with k drafts can take over one without, by bytes read: the verify
+    pass's k + 1 rows a sequence (each reading its context, touching experts of its own)
+    and k draft steps, over the plain step's; routing taken uniform, as random weights
+    route (a trained model's neighbouring tokens share experts more). On v3-slice a draft
+    step reads 0.77 of a plain step's bytes at batch 1 (the MTP block, the shared 1.85 GB
+    head), and two verify rows touch twice the experts: 1.93x with one draft, before any
+    kernel's cost."""
+    verify = step_bytes(cfg, quant, dtype, batch * (k + 1), context)
+    drafts = k * draft_step_bytes(cfg, quant, dtype, batch, context, draft)
+    return (verify + drafts) / step_bytes(cfg, quant, dtype, batch, context)
 
 
 def queue(engine, batch: int, context: int, output_len: int, vocab: int, seed: int) -> list[Sequence]:
@@ -257,6 +288,7 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
     bandwidth = copy_bandwidth(dev)
     result["copy_bandwidth_bytes_s"] = bandwidth
     cfg = ModelConfig.from_dir(model)
+    draft_cfg = ModelConfig.from_dir(draft_model) if draft_model else None
     batches = sorted({b for b, _ in cases})
     first_context = cases[0][1]
     tokens = max(b * (c + output_len + 16) for b, c in cases)
@@ -282,10 +314,13 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
             after = llm.engine.stats()
             drafted = after.spec_draft_tokens - before.spec_draft_tokens
             accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-            limit_s = step_bytes(cfg, quant, llm.dtype, batch, context + output_len // 2) / bandwidth
+            mid = context + output_len // 2
+            limit_s = step_bytes(cfg, quant, llm.dtype, batch, mid) / bandwidth
             case |= {"quant": quant, "hbm_percent": 100 * limit_s / (case["ms_per_step"] / 1000),
                      "speculative_tokens": k, "acceptance_rate": accepted / drafted if drafted else None,
                      "preemptions": after.preemptions - before.preemptions}
+            if k:
+                case["step_floor"] = step_floor(cfg, quant, llm.dtype, batch, mid, k, draft_cfg)
             result["runs"].append(case)
             if profile and context == first_context and dev.type == "cuda":
                 result.setdefault("profiles", []).append(profile_steps(llm, batch, context, cfg.vocab_size) | {"quant": quant})
@@ -336,21 +371,22 @@ def format_table(result: dict) -> str:
              f"{result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s; CUDA graphs {'on' if result.get('cuda_graphs') else 'off'};"
              + (f" steps launched ahead {'on' if result['async_scheduling'] else 'off'};" if "async_scheduling" in result else "")
              + ("" if drafter == "mtp" else f" drafts by {drafter};") + f" {result['wall_s']:.0f} s", ""]
-    head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "step x", "speedup",
-            "at " + "/".join(f"{a:g}" for a in ACCEPTANCES), "prefill tok/s", "prefill s")
-    widths = (14, 6, 8, 6, 10, 8, 6, 8, 6, 7, 16, 13, 9)
+    head = ("quant", "drafts", "context", "batch", "tok/s", "ms/step", "HBM %", "accepted", "step x", "floor x",
+            "speedup", "at " + "/".join(f"{a:g}" for a in ACCEPTANCES), "prefill tok/s", "prefill s")
+    widths = (14, 6, 8, 6, 10, 8, 6, 8, 6, 7, 7, 16, 13, 9)
     lines.append(row(head, widths))
     for r in result["runs"]:
         rate, at = r.get("acceptance_rate"), r.get("speedup_at")
         lines.append(row((r["quant"], r.get("speculative_tokens", 0), r["context"], r["batch"], f"{r['output_tok_s']:.1f}",
                           f"{r['ms_per_step']:.2f}", f"{r['hbm_percent']:.1f}", "-" if rate is None else f"{100 * rate:.0f}%",
                           f"{r['step_ratio']:.2f}" if "step_ratio" in r else "-",
+                          f"{r['step_floor']:.2f}" if "step_floor" in r else "-",
                           f"{r['speedup']:.2f}" if "speedup" in r else "-",
                           "/".join(f"{v:.2f}" for v in at.values()) if at else "-",
                           f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}"), widths))
     for r in result["transformers"]:
         lines.append(row(("transformers", "-", r["context"], r["batch"], f"{r['output_tok_s']:.1f}", "-", "-", "-", "-",
-                          "-", "-", "-", f"{r['total_s']:.2f}"), widths))
+                          "-", "-", "-", "-", f"{r['total_s']:.2f}"), widths))
     for p in result.get("profiles", []):
         lines += ["", f"profile, {p['quant']}, batch {p['batch']}, context {p['context']}: {p['wall_ms']:.2f} ms a step,"
                       f" GPU busy {p['gpu_busy_ms']:.2f} ms, {p['launches_per_step']:.0f} kernels"

@@ -27,6 +27,26 @@ def test_decode_with_a_draft_model_counts_what_it_drafts_and_what_is_accepted():
     assert list(at) == ["0.5", "0.7", "0.9"] and at["0.5"] < at["0.7"] < at["0.9"]
     assert at["0.7"] == expected_tokens(2, 0.7) / drafted["step_ratio"]
     assert "step_ratio" not in plain and f"{drafted['speedup']:.2f}" in format_table(result)
+    assert "step_floor" not in plain and drafted["step_floor"] > 1 and "floor x" in format_table(result)
+
+
+def test_the_step_floor_counts_the_verify_rows_and_the_drafts_bytes():
+    import torch
+
+    from preload.bench.checkpoint import SHAPES
+    from preload.bench.decode import draft_step_bytes, step_bytes, step_floor
+    from preload.checkpoint.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(SHAPES["v3-slice"](1))
+    bf16 = torch.bfloat16
+    assert step_floor(cfg, "none", bf16, 1, 96, 0) == 1
+    floors = [step_floor(cfg, "none", bf16, 1, 96, k) for k in (1, 2, 3)]
+    assert floors == sorted(floors) and floors[0] > 1.8  # (the issue asked 1.15: more than the bytes allow)
+    draft = draft_step_bytes(cfg, "none", bf16, 1, 96)
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    assert head < draft < step_bytes(cfg, "none", bf16, 1, 96)  # the MTP block and the head it shares
+    small = ModelConfig.from_dir(DRAFT)
+    assert draft_step_bytes(cfg, "none", bf16, 1, 96, small) == step_bytes(small, "none", bf16, 1, 96)
 
 
 def test_expected_tokens_of_a_verify_step():
