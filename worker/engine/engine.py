@@ -9,6 +9,7 @@ runs in stages (faults.py): its failure ends that sequence alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check
 from preload.worker.engine.step_clock import StepClock
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
