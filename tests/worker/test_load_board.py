@@ -127,4 +127,7 @@ def test_long_requests_arriving_one_by_one_are_spread_over_both_fronts(tiny_chec
         m = d.metrics()
         served = [total(m, "preload_http_requests_total", worker=str(w), route="/v1/completions", status="200")
                   for w in (0, 1)]
-        assert sum(served) == 6 and abs(served[0] - served[1]) <= 1, served
+        # Spread, not dealt out evenly: a front defers an accept at most DEFER (20 ms) for a less
+        # loaded peer, and a peer's loop busy longer than that on a loaded 2-core machine lets it
+        # through (4 and 2 seen in CI). The kernel's accept order alone sent 4 of 4 to one front.
+        assert sum(served) == 6 and min(served) >= 2, served
