@@ -88,6 +88,8 @@ class LLM:
         self.model = Transformer(rank_config(self.config, ranks), shard(self.config, weights, ranks), ranks)
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
+        self.draft_graphs: DecodeGraphs | None = None  # the drafter's steps (--speculative-config)
+        self._graph_layout: tuple | None = None  # what the decode graphs were made for
         self.lazy_graphs = lazy_graphs  # only the largest decode graph now, the rest as the engine idles
         self.engine: Engine | None = None
         engine = engine or EngineOptions()
@@ -104,23 +106,30 @@ class LLM:
         self._drop_engine()
         if self.leader is not None and config.speculative_config:
             raise ValueError("--speculative-config with --tensor-parallel-size is not built yet (drafts run eagerly apart)")
-        graphs = prompt_graphs = None
-        # (Speculative steps run eagerly: the drafter reads hidden states a graph does not keep.)
-        if self.device.type == "cuda" and not config.enforce_eager and not config.speculative_config:
-            if self.graphs is None or not self.graphs.serves(config.block_size, config.kv_cache_dtype):
-                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, config.block_size, config.kv_cache_dtype,
-                                           self.device)
+        draft = self._draft_model(config)
+        spec = SpecConfig.parse(config.speculative_config)
+        graphs = prompt_graphs = draft_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            layout = (config.block_size, config.kv_cache_dtype, config.speculative_config)
+            if self.graphs is None or self._graph_layout != layout:
+                self.graphs, self.draft_graphs = self._decode_graphs(config, spec, draft)
+                self._graph_layout = layout
                 self.prompt_graphs = None  # (they write the cache through the decode graphs' address table)
-            if self.prompt_graphs is None or self.prompt_graphs.sizes != token_buckets(config.max_num_batched_tokens):
+            # (Prompts with a drafter run eagerly: it reads their hidden states, which pieces do not keep.)
+            if spec is None and (self.prompt_graphs is None
+                                 or self.prompt_graphs.sizes != token_buckets(config.max_num_batched_tokens)):
                 self.prompt_graphs = PromptGraphs(self.model, config.max_num_batched_tokens, self.device)
-            graphs, prompt_graphs = self.graphs, self.prompt_graphs
+            graphs, draft_graphs = self.graphs, self.draft_graphs
+            prompt_graphs = self.prompt_graphs if spec is None else None
         # Prefix-cache keys name the weights: an attached worker's fingerprint (one process
         # never serves two sets of weights otherwise, and each engine has its own cache).
         fingerprint = self.attached.manifest.fingerprint if self.attached else "in-process"
         self.engine = Engine(self.model, self.tokenizer, config, self.device, graphs, fingerprint,
-                             self._draft_model(config), kv_memory, prompt_graphs)
-        if graphs is not None and not graphs.graphs:
-            graphs.capture(self.engine.cache, self.engine.scratch_block, graphs.sizes[-1:] if self.lazy_graphs else None)
+                             draft, kv_memory, prompt_graphs, draft_graphs)
+        captures = [(graphs, self.engine.cache)] + ([(draft_graphs, self.engine.drafter.cache)] if draft_graphs else [])
+        for g, cache in captures:
+            if g is not None and not g.graphs:
+                g.capture(cache, self.engine.scratch_block, g.sizes[-1:] if self.lazy_graphs else None)
         self.stop_ids = self.engine.stop_ids
         if self.leader is not None:
             self.leader.lead(self.engine)
@@ -154,6 +163,22 @@ class LLM:
             torch.cuda.set_device(self.device)  # (Triton and graphs launch on the current device: the arena's)
         self.tokenizer = Tokenizer(files["tokenizer.json"].decode(), json.loads(files.get("tokenizer_config.json", b"{}")))
         return self.attached
+
+    def _decode_graphs(self, config: EngineOptions, spec: SpecConfig | None,
+                       draft: Transformer | None) -> tuple[DecodeGraphs, DecodeGraphs | None]:
+        """The decode graphs for engines of `config`, and the drafter's: a verify step feeds
+        each sequence's pending token and its k drafts (rows, cuda_graphs.py); the MTP layer
+        catches up on up to k + 1 positions a sequence, a draft model on one more."""
+        def made(model: Transformer, rows: int, **kw) -> DecodeGraphs:
+            return DecodeGraphs(model, rows, config.block_size, config.kv_cache_dtype, self.device, **kw)
+
+        if spec is None:
+            return made(self.model, config.max_num_seqs), None
+        rows = config.max_num_seqs * (spec.num_speculative_tokens + 1)
+        if spec.method == "mtp":
+            target = made(self.model, rows, cache_layers=self.model.num_cache_layers)
+            return target, made(self.model, rows, cache_ptrs=target.cache_ptrs, mtp=True)
+        return made(self.model, rows), made(draft, rows + config.max_num_seqs)
 
     def _draft_model(self, config: EngineOptions) -> Transformer | None:
         """The draft model --speculative-config names: loaded here, on the target's device and

@@ -1,5 +1,5 @@
 """Decode steps as CUDA graphs: the whole forward, the output head and the log-softmax
-of a batch of one-token sequences, captured once per batch size bucket and replayed.
+of a batch of rows, one token each, captured once per bucket of rows and replayed.
 
 An eager decode step launches about a thousand kernels, and on a GPU as fast as an
 H200 launching them takes longer than running them. A replay launches them all at once.
@@ -13,6 +13,15 @@ cache itself is found through its pointer table (LatentCache.ptrs), which the gr
 a worker captures against its small warm-up cache, and its real cache, allocated when it
 takes a slot, writes its addresses into the same table. No context length is baked in
 either: the attention kernel sizes each sequence's splits on the device (mla_decode.py).
+
+A row is one token attending to its sequence's cache up to and including its own
+position, so a speculative verify step is a decode step too: a sequence's pending token
+and its k drafts are k + 1 rows at consecutive positions with the same block table, each
+written to the cache before any row attends (the causal mask, row by row). A sequence
+that does not draft is one row beside them. The graphs also keep the rows' hidden states,
+which the drafter reads; with `mtp` they replay the MTP layer's step instead (its input:
+the hidden states to chain on, one more buffer), against the target's cache and address
+table.
 
 Sampling stays outside: it is per request (generators, top-p, penalties) and small.
 A step launched ahead of its tokens reaching the host (pipeline.py) takes them from
@@ -47,15 +56,21 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode steps of one model for one cache layout (block size, cache
     dtype): capture() once, with an engine's cache bound to `cache_ptrs`; then
-    replay() for any batch of one new token per sequence that fits."""
+    replay() for any batch of decode and verify spans that fits. `cache_layers`: the
+    cache's layers (the MTP layer's one more); `cache_ptrs`: another DecodeGraphs'
+    table, for graphs over the same cache (the MTP layer's, `mtp`)."""
 
-    def __init__(self, model: Transformer, max_batch: int, block_size: int, kv_cache_dtype: str, device: torch.device):
+    def __init__(self, model: Transformer, max_rows: int, block_size: int, kv_cache_dtype: str, device: torch.device,
+                 *, cache_layers: int | None = None, cache_ptrs: torch.Tensor | None = None, mtp: bool = False):
         cfg: ModelConfig = model.cfg
-        self.model, self.block_size, self.kv_cache_dtype = model, block_size, kv_cache_dtype
-        self.sizes = bucket_sizes(max_batch)
+        self.model, self.block_size, self.kv_cache_dtype, self.mtp = model, block_size, kv_cache_dtype, mtp
+        self.sizes = bucket_sizes(max_rows)
         self.width = -(-cfg.max_position_embeddings // block_size)  # blocks of the longest context
-        self.cache_ptrs = torch.zeros(cfg.num_layers, 4, dtype=torch.long, device=device)
+        self.cache_ptrs = cache_ptrs if cache_ptrs is not None else \
+            torch.zeros(cache_layers or cfg.num_layers, 4, dtype=torch.long, device=device)
         n = self.sizes[-1]
+        # (mtp: the hidden states each row chains on)
+        self.hidden_in = torch.zeros(n, cfg.hidden_size, dtype=model.embed.dtype, device=device) if mtp else None
         self.ids = torch.zeros(4, n, dtype=torch.long, device=device)  # tokens, positions, slots, context lengths
         self.table = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         # The host side of the same, copied in at most two transfers a step: two of each,
@@ -65,20 +80,19 @@ class DecodeGraphs:
                       torch.zeros(n, self.width, dtype=torch.int32).pin_memory(), torch.cuda.Event()) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (log-probs, hidden states) per bucket
         self.pool = None  # the captures' shared memory pool: the first (largest) capture sizes it
-
-    def serves(self, block_size: int, kv_cache_dtype: str) -> bool:
-        return (block_size, kv_cache_dtype) == (self.block_size, self.kv_cache_dtype)
 
     def fits(self, batch: list[tuple]) -> bool:
         """Whether a step of (sequence, start, n) spans can be replayed: one new token each,
-        few enough sequences for a captured bucket, every context within the table."""
-        return (bool(self.graphs) and len(batch) <= max(self.graphs) and all(n == 1 for _, _, n in batch)
+        or a pending token and its drafts (a verify span), few enough rows for a captured
+        bucket, every context within the table."""
+        return (bool(self.graphs) and fed_rows(batch) <= max(self.graphs)
+                and all(n == 1 or n == 1 + len(seq.drafts) for seq, _, n in batch)
                 and all(len(seq.blocks) <= self.width for seq, _, _ in batch))
 
     def bucket(self, n: int) -> int:
-        """The bucket a batch of `n` sequences is replayed in, once it is captured."""
+        """The bucket `n` rows are replayed in, once it is captured."""
         return next(s for s in self.sizes if s >= n)
 
     @property
@@ -93,12 +107,17 @@ class DecodeGraphs:
                              context_lens=lens, starts=positions, block_size=self.block_size, max_q=1,
                              max_context=longest, decode_rows=size, decode_context=longest)
 
-    def _step(self, size: int, cache: LatentCache) -> torch.Tensor:
-        hidden = self.model.forward(self.ids[0, :size], self._meta(size), cache)
-        return self.model.logits(hidden).log_softmax(-1)
+    def _step(self, size: int, cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, meta = self.ids[0, :size], self._meta(size)
+        if self.mtp:
+            hidden, logits = self.model.mtp_step(self.hidden_in[:size], tokens, meta, cache)
+        else:
+            hidden = self.model.forward(tokens, meta, cache)
+            logits = self.model.logits(hidden)
+        return logits.log_softmax(-1), hidden
 
     def _fill(self, rows: list[tuple[int, int, list[int]]], size: int, scratch_block: int) -> None:
-        """rows: (token, position, blocks) of each sequence; the rest of `size` is padding."""
+        """rows: (token, position, blocks) of each row; the rest of `size` is padding."""
         host_ids, host_table, copied = self.host[self._turn]
         self._turn ^= 1
         copied.synchronize()  # (its last copy out: long done, but the stream is what says so)
@@ -113,6 +132,21 @@ class DecodeGraphs:
         self.ids[:, :size].copy_(host_ids[:, :size], non_blocking=True)
         self.table[:size, :width].copy_(host_table[:size, :width], non_blocking=True)
         copied.record()
+
+    def ensure(self, cache: LatentCache, scratch_block: int, sizes: list[int]) -> bool:
+        """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200);
+        whether any was. A failure (no memory for it, say) is logged and ends the
+        captures: the rows those buckets would take replay a larger one, padded."""
+        todo = [s for s in sizes if s in self.pending]
+        if not todo:
+            return False
+        try:
+            self.capture(cache, scratch_block, todo)
+            return True
+        except RuntimeError as e:
+            log.warning("decode graphs not captured (%s); rows of %s replay a larger one", e, self.pending)
+            self.sizes = sorted(self.graphs)
+            return False
 
     @torch.inference_mode()
     def capture(self, cache: LatentCache, scratch_block: int, sizes: list[int] | None = None) -> None:
@@ -149,14 +183,31 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[size] = graph
 
-    def replay(self, batch: list[tuple], scratch_block: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Log-probs [len(batch), vocab] of the next token for (sequence, start, 1) spans,
-        valid until the next replay (the graphs share their memory). `tokens`: the
-        batch's input tokens on the device, when the host does not have them yet."""
-        size = min(s for s in self.graphs if s >= len(batch))
-        self._fill([(0 if tokens is not None else seq.tokens(start, start + 1)[0], start, seq.blocks)
-                    for seq, start, _ in batch], size, scratch_block)
+    def replay(self, batch: list[tuple], scratch_block: int,
+               tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [rows, vocab] of the token after each row, hidden states [rows, D])
+        for (sequence, start, n) spans that fit, a row per token fed in order; valid until
+        the next replay (the graphs share their memory). `tokens`: the batch's input
+        tokens on the device, when the host does not have them yet."""
+        fed = [(t, start + j, seq.blocks) for seq, start, n in batch
+               for j, t in enumerate([0] * n if tokens is not None else seq.tokens(start, start + n))]
+        return self.replay_rows(fed, scratch_block, tokens)
+
+    def replay_rows(self, rows: list[tuple[int, int, list[int]]], scratch_block: int, tokens: torch.Tensor | None = None,
+                    hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As replay, for rows of (token, position, blocks); `tokens` and (mtp) `hidden`:
+        the rows' inputs on the device, in place of the host's tokens."""
+        size = min(s for s in self.graphs if s >= len(rows))
+        self._fill(rows, size, scratch_block)
         if tokens is not None:
-            self.ids[0, : len(batch)].copy_(tokens)
+            self.ids[0, : len(rows)].copy_(tokens)
+        if hidden is not None:
+            self.hidden_in[: len(rows)].copy_(hidden)
         self.graphs[size].replay()
-        return self.outputs[size][: len(batch)]
+        logprobs, states = self.outputs[size]
+        return logprobs[: len(rows)], states[: len(rows)]
+
+
+def fed_rows(batch: list[tuple]) -> int:
+    """The rows (tokens fed) of a batch of (sequence, start, n) spans."""
+    return sum(n for _, _, n in batch)

@@ -20,7 +20,7 @@ from preload.ipc.kv_memory import KvMemory
 from preload.options import EngineOptions
 from preload.worker.engine.block_ledger import KEY_BYTES, BlockLedger, layout_key, ledger_bytes
 from preload.worker.engine.block_manager import BlockManager
-from preload.worker.engine.cuda_graphs import DecodeGraphs
+from preload.worker.engine.cuda_graphs import DecodeGraphs, fed_rows
 from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.faults import GrammarRefused, SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
@@ -88,13 +88,16 @@ def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineOptions, device: torch.device,
                  graphs: DecodeGraphs | None = None, fingerprint: str = "", draft: Transformer | None = None,
-                 kv_memory: Callable[[int], KvMemory] | None = None, prompt_graphs: PromptGraphs | None = None):
+                 kv_memory: Callable[[int], KvMemory] | None = None, prompt_graphs: PromptGraphs | None = None,
+                 draft_graphs: DecodeGraphs | None = None):
         """config.kv_cache_memory must be a number of bytes here: `auto` (None) is for
         the caller to resolve (worker.serve.kv_cache_bytes, or LLM's default). With
         `graphs` (captured or to be captured against this engine's cache), decode steps
         that fit them are replayed; with `prompt_graphs` (prompt_graphs.py), the other steps
         are replayed piecewise. `fingerprint`: the weights', part of every prefix-cache key.
         `draft`: the draft model of --speculative-config's method draft_model.
+        `draft_graphs`: the drafter's steps captured (the MTP layer's, over `graphs`'
+        address table; or the draft model's, over its own cache).
         `kv_memory`: gives the memory the caches are cut from, for the bytes they need
         (a supervised worker's, which outlives it: ipc/kv_memory.py); else the caches
         are allocated as tensors."""
@@ -145,11 +148,13 @@ class Engine:
         self.drafter = None
         shape = self._drafter_rows if self.processors else None
         if mtp:
-            self.drafter = Drafter(spec, self.blocks, device, model, self.cache, shape)
+            self.drafter = Drafter(spec, self.blocks, device, model, self.cache, shape, draft_graphs, self.scratch_block)
         elif spec is not None:
             draft_cache = LatentCache(draft.cfg.num_layers, slots, draft.cfg, draft.embed.dtype, device,
-                                      config.kv_cache_dtype, memory=memory)
-            self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache, shape)
+                                      config.kv_cache_dtype, ptrs=draft_graphs.cache_ptrs if draft_graphs else None,
+                                      memory=memory)
+            self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache, shape, draft_graphs,
+                                   self.scratch_block)
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
         # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
         self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
@@ -203,19 +208,7 @@ class Engine:
         return True
 
     def _capture(self, sizes: list[int]) -> bool:
-        """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200).
-        A failure (no memory for it, say) is logged and ends the captures: the batches
-        those buckets would take replay a larger one, padded."""
-        todo = [s for s in sizes if s in self.graphs.pending]
-        if not todo:
-            return False
-        try:
-            self.graphs.capture(self.cache, self.scratch_block, todo)
-            return True
-        except RuntimeError as e:
-            log.warning("decode graphs not captured (%s); batches of %s replay a larger one", e, self.graphs.pending)
-            self.graphs.sizes = sorted(self.graphs.graphs)
-            return False
+        return self.graphs.ensure(self.cache, self.scratch_block, sizes)
 
     def stats(self) -> EngineStats:
         """Safe to call from another thread: each number is read once, none is changed."""
@@ -227,10 +220,8 @@ class Engine:
 
     def graphs_pending(self) -> int:
         """The graph buckets a step of their size would capture first (0.1-0.6 s on the
-        H200) and an idle engine captures one at a time (capture_idle); none with a drafter,
-        which captures none."""
-        if self.drafter is not None:
-            return 0
+        H200) and an idle engine captures one at a time (capture_idle): the target's decode
+        (and verify) steps' and, without a drafter, the prompt steps'."""
         return sum(len(g.pending) for g in (self.graphs, self.prompt_graphs) if g is not None)
 
     @torch.inference_mode()
@@ -263,13 +254,13 @@ class Engine:
             wanted.append((first, every))
             row += n
         # Log-probs stay on the device: only sampled ids, and the log-probs a request asked
-        # for, come to the host. (Drafting reads the hidden states, which a graph does not keep.)
+        # for, come to the host.
         logprobs, hidden = self.forward(spans, rows)
 
         outputs, advancing, verifying = [], [], []  # advancing: (sequence, its row) of those that sample a token
         for (seq, start, n), (first, scoring) in zip(spans, wanted):  # (every row, past drafts: a prompt scored)
             if seq.drafts:  # how much of it counts is known once the drafts are judged
-                verifying.append((seq, start, logprobs[first : first + n]))
+                verifying.append((seq, start, first, n))
                 continue
             seq.computed += n
             self.blocks.cache_full_blocks(seq)
@@ -282,23 +273,29 @@ class Engine:
             except SequenceFault as fault:
                 outputs.append(self._failed(seq, fault))
         outputs += self.advance([seq for seq, _ in advancing], self.sample(advancing, logprobs))
-        outputs += [self._verify(*v) for v in verifying]
+        # Greedy drafts are judged on each row's argmax: the whole step's in one launch and
+        # one copy to the host (rows the processors change are judged as they leave them).
+        best = logprobs.argmax(-1).tolist() if verifying and not self.processors else None
+        outputs += [self._verify(seq, start, logprobs[first : first + n], best and best[first : first + n])
+                    for seq, start, first, n in verifying]
         if self.drafter is not None:
             self.drafter.draft(spans, hidden)
         return outputs
 
     def forward(self, spans: list[tuple[Sequence, int, int]], rows: list[int],
-                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The log-probs at `rows` of a batch of (sequence, start, n) spans, and the hidden
-        states when run eagerly (None from a graph, whose rows are one per sequence).
-        `tokens`: the batch's inputs already on the device (a step launched ahead)."""
+        states of every token fed, in order. A graph replays only steps whose rows are all
+        wanted (decode and verify spans: cuda_graphs.py); what it returns is valid until
+        its next replay. `tokens`: the batch's inputs already on the device (a step
+        launched ahead)."""
         if self.blocks.ledger is not None:  # (the keys and erasures since the last forward, before it)
             self.blocks.ledger.flush()
-        if self.graphs is not None and self.drafter is None and self.graphs.fits(spans):
+        if self.graphs is not None and self.graphs.fits(spans):
             # A lazy start's bucket, at its first use: captured now, so that a busy engine
             # (never idle) does not pad its batches to the largest bucket for good.
-            self._capture([self.graphs.bucket(len(spans))])
-            return self.graphs.replay(spans, self.scratch_block, tokens), None
+            self._capture([self.graphs.bucket(fed_rows(spans))])
+            return self.graphs.replay(spans, self.scratch_block, tokens)
         dev = self.device
         if tokens is None:
             tokens = torch.tensor([t for seq, start, n in spans for t in seq.tokens(start, start + n)], device=dev)
@@ -311,16 +308,17 @@ class Engine:
         picked = hidden if rows == list(range(len(hidden))) else hidden[torch.tensor(rows, device=dev)]
         return self.model.logits(picked).log_softmax(-1), hidden
 
-    def _verify(self, seq: Sequence, start: int, rows: torch.Tensor) -> Output:
+    def _verify(self, seq: Sequence, start: int, rows: torch.Tensor, best: list[int] | None) -> Output:
         """Keep what the target agrees with of `seq`'s drafts (speculative.accept) and the
-        token after them; the pending token and the kept drafts are computed now."""
+        token after them; the pending token and the kept drafts are computed now. `best`:
+        the rows' argmax, where already known."""
         outs = []
         try:
             # Row j follows the pending token and j drafts: the operator's processors see those
             # as generated, and shape the row before the drafts are judged on it.
             rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
             with stage("speculative decoding"):
-                tokens = accept(rows, seq)
+                tokens = accept(rows, seq, best)
             seq.keep_drafts(0)
             seq.computed = start + len(tokens)
             self.blocks.cache_full_blocks(seq)

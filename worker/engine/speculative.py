@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sequence import Sequence
@@ -109,12 +110,13 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     return tokens, qs
 
 
-def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
+def accept(rows: torch.Tensor, seq: Sequence, best: list[int] | None = None) -> list[int]:
     """The tokens a verify pass gives `seq`: rows [k+1, V] are the target's logits after
-    the pending token and each of its k drafts (seq.drafts, seq.draft_probs)."""
+    the pending token and each of its k drafts (seq.drafts, seq.draft_probs); `best`:
+    their argmax, where the caller has it already."""
     drafts = seq.drafts
     if seq.params.greedy:
-        best = rows.argmax(-1).tolist()
+        best = rows.argmax(-1).tolist() if best is None else best
         n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
         return drafts[:n] + [best[n]]
     out = []
@@ -141,22 +143,33 @@ class Drafter:
     indexed by the same block tables."""
 
     def __init__(self, config: SpecConfig, blocks, device: torch.device, model, cache,
-                 shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None):
+                 shape: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None,
+                 graphs: DecodeGraphs | None = None, scratch_block: int = 0):
         """`model` and `cache`: the target and its cache (MTP), or the draft model and its own.
         `shape`: the drafter's logits of these sequences as the operator's processors make
         them (None: no processors). A failure there or in drawing stops their drafting for
-        the step; it is theirs alone (their sampling meets it again), never the engine's."""
+        the step; it is theirs alone (their sampling meets it again), never the engine's.
+        `graphs`: the drafter's steps as CUDA graphs (cuda_graphs.py, a row per token fed;
+        padding rows in `scratch_block`), replayed where they fit; else steps run eagerly."""
         self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
-        self.shape = shape
+        self.shape, self.graphs, self.scratch_block = shape, graphs, scratch_block
         self.mtp = config.method == "mtp"
         self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
         self.accepted = 0
 
-    def _run(self, hidden: torch.Tensor | None, tokens: list[int], spans: list[tuple[int, int, list[int]]]):
-        """(hidden states to chain on, or None; logits) of the drafter over the spans
-        (start, tokens, blocks) of a flat batch."""
+    def _run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]]):
+        """(hidden states to chain on, or None; logits, or log-probs from a graph: the same
+        draws) of the drafter over the spans (start, tokens, blocks) of a flat batch; the
+        tokens from the host, or already on the device (chained drafts)."""
+        g, on_device = self.graphs, isinstance(tokens, torch.Tensor)
+        if g is not None and g.graphs and len(tokens) <= max(g.graphs) and all(len(b) <= g.width for *_, b in spans):
+            g.ensure(self.cache, self.scratch_block, [g.bucket(len(tokens))])  # (a lazy start's bucket: at first use)
+            rows = [(start + j, blocks) for start, n, blocks in spans for j in range(n)]
+            logprobs, x = g.replay_rows([(0 if on_device else t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
+                                        self.scratch_block, tokens=tokens if on_device else None, hidden=hidden)
+            return (x if self.mtp else None), logprobs
         meta = AttentionMeta.build(spans, self.blocks.block_size, self.device)
-        ids = torch.tensor(tokens, device=self.device)
+        ids = tokens if on_device else torch.tensor(tokens, device=self.device)
         if self.mtp:
             return self.model.mtp_step(hidden, ids, meta, self.cache)
         return None, self.model.logits(self.model.forward(ids, meta, self.cache))
@@ -188,6 +201,37 @@ class Drafter:
         seqs = [catch[i][0] for i in picks]
         last = ends[torch.tensor(picks, device=self.device)]
         x, logits = (x[last] if x is not None else None), logits[last]
+        if self.shape is None and all(seq.params.greedy for seq in seqs):
+            self._chain(seqs, x, logits, shift)
+        else:
+            self._draw(seqs, x, logits, shift)
+        self.drafted += sum(len(catch[i][0].drafts) for i in picks)
+
+    def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
+        """Greedy drafts chained on the device: each draft (the argmax) is the next step's
+        input where it lies, the host only growing the blocks; the k drafts of every
+        sequence come back in one copy, not one a draft."""
+        drafts, fed = [logits.argmax(-1)], [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
+        for j in range(self.k - 1):
+            at = {i: seqs[i].computed + j + 1 - shift for i in fed[-1]}
+            room = [n for n, i in enumerate(fed[-1]) if self._room(seqs[i], at[i])]
+            if not room:
+                break
+            keep = torch.tensor(room, device=self.device)
+            live = [fed[-1][n] for n in room]
+            x = x[keep] if x is not None else None
+            x, logits = self._run(x, drafts[-1][keep], [(at[i], 1, seqs[i].blocks) for i in live])
+            drafts.append(logits.argmax(-1))
+            fed.append(live)
+        tokens = iter(torch.cat(drafts).tolist())  # (the one copy to the host)
+        for who in fed:
+            for i in who:
+                seqs[i].drafts.append(next(tokens))
+                seqs[i].draft_probs.append(None)
+
+    def _draw(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
+        """Drafts drawn on the host, one step at a time: as the operator's processors shape
+        them, and for sampled requests from q (kept for the acceptance test)."""
         for j in range(self.k):
             try:
                 with stage("speculative decoding"):
@@ -209,7 +253,6 @@ class Drafter:
             seqs, at = [seqs[i] for i in room], [at[i] for i in room]
             x = x[torch.tensor(room, device=self.device)] if x is not None else None
             x, logits = self._run(x, [s.drafts[-1] for s in seqs], [(pos, 1, s.blocks) for s, pos in zip(seqs, at)])
-        self.drafted += sum(len(catch[i][0].drafts) for i in picks)
 
     def _room(self, seq: Sequence, position: int) -> bool:
         """Whether `seq` has (or can get) a cache slot at `position`."""

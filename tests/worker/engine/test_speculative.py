@@ -50,6 +50,25 @@ def test_greedy_outputs_equal_decoding_without_drafts(plain, k):
     assert s.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_greedy_drafts_are_chained_on_the_device_and_copied_once(plain, method, monkeypatch):
+    """Greedy requests' k drafts: each the next draft step's input where it lies, all of a
+    step's copied to the host at once (speculative.Drafter._chain); drawing on the host,
+    draft by draft, is left to sampled requests and processors."""
+    import preload.worker.engine.speculative as speculative
+
+    engine = mtp(3) if method == "mtp" else replace(BASE, speculative_config=json.dumps(
+        {"method": "draft_model", "model": str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft"), "num_speculative_tokens": 3}))
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=engine)
+    drawn = []
+    monkeypatch.setattr(speculative, "draft_tokens", lambda *a: drawn.append(a) or pytest.fail("drawn on the host"))
+    got = llm.generate(PROMPTS, max_tokens=30, ignore_eos=True)
+    want = plain.generate(PROMPTS, max_tokens=30, ignore_eos=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want] and not drawn
+    s = llm.engine.stats()
+    assert 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+
+
 def test_with_prefix_cache_hits_and_stops_mid_draft(plain):
     """max_tokens and EOS end a sequence inside an accepted run of drafts: nothing past them."""
     llm = LLM(BUNDLED_MODEL, dtype="float32", engine=mtp(3, enable_prefix_caching=True))
