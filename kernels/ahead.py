@@ -306,6 +306,13 @@ class Compiling:
             return True
         return False
 
+    def settled_unless_asked(self, sock) -> bool:
+        """Wait until they settle (as `settled`) unless `sock` becomes readable first (the
+        zygote's next fork request, or the daemon gone): True once settled. So a zygote that
+        forks no other worker meanwhile still reaps them, marks the cache and says so."""
+        select.select([sock, self.ready_fd], [], [], max(0.0, self.started + COMPILE_AHEAD_TIMEOUT - time.monotonic()))
+        return self.settled()
+
     def handed(self) -> dict:
         """What a worker forked meanwhile is told (its spec's "compiles"): wait_compiled."""
         return {"compiles": [self.ready_fd, self.started + COMPILE_AHEAD_TIMEOUT]}

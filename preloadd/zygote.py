@@ -204,11 +204,11 @@ def main() -> None:
         # (a host whose kernel cache lacks what the workers' list names: compiled beside the load)
         compiling = ahead.compile_listed() if spec.get("gpu") else None
         while True:
+            if compiling and compiling.settled_unless_asked(control):  # (else the cores forked meanwhile wait)
+                compiling = None
             msg, _ = next_request(control, idle_work)
             if msg is None:  # the daemon closed its end
                 return
-            if compiling and compiling.settled():  # (reaped, the cache marked; else the forked cores wait for them)
-                compiling = None
             pid, link = fork_worker(spec | {"dp_rank": msg.get("dp_rank", 0)} | (compiling.handed() if compiling else {}),
                                     msg["slot"], listen_fd, control, msg.get("role", "core"))
             send(control, {"pid": pid}, [link.fileno()])

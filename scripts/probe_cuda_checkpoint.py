@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -111,14 +112,24 @@ def spawn(role: str, mib: int) -> tuple[subprocess.Popen, socket.socket]:
     return proc, ours
 
 
-def checkpoint_cycle(lib, pid: int) -> dict:
+class LockArgs(ctypes.Structure):
+    """CUcheckpointLockArgs: without one the lock waits for the process's work forever."""
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+def note(what: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)  # (where a hang stopped)
+
+
+def checkpoint_cycle(lib, pid: int, lock_ms: int) -> dict:
     """Lock, checkpoint, restore, unlock `pid`; each call's result and seconds, and the
     GPU's used memory after the checkpoint and after the restore."""
     out = {}
     for step in ("Lock", "Checkpoint", "Restore", "Unlock"):
         call = getattr(lib, f"cuCheckpointProcess{step}")
+        note(f"cuCheckpointProcess{step}({pid})")
         t = time.perf_counter()
-        rc = call(ctypes.c_int(pid), None)
+        rc = call(ctypes.c_int(pid), ctypes.byref(LockArgs(lock_ms)) if step == "Lock" else None)
         out[step.lower()] = {"result": error_name(lib, rc), "seconds": round(time.perf_counter() - t, 4)}
         if step in ("Checkpoint", "Restore"):
             out[step.lower()]["used_mib_after"] = used_mib()
@@ -134,24 +145,38 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=1024, help="the exported arena's size; the importer's own is half")
+    p.add_argument("--lock-ms", type=int, default=10_000, help="the lock's timeout")
+    p.add_argument("--timeout", type=int, default=60, help="seconds for the whole probe; then what it found so far")
     args = p.parse_args()
+
+    def stop(*_):
+        raise TimeoutError(f"no answer in {args.timeout} s")
+
+    signal.signal(signal.SIGALRM, stop)
+    signal.alarm(args.timeout)
     lib = cu()
     result = {"mib": args.mib, "used_mib_before": used_mib()}
     exp, exp_sock = spawn("exporter", args.mib)
     imp, imp_sock = spawn("importer", args.mib)
     try:
+        note("exporter: the arena")
         info, fds = receive(exp_sock)
         send(imp_sock, info, fds)
         for fd in fds:
             os.close(fd)
+        note("importer: mapping it")
         result["sums_before"] = receive(imp_sock)[0]["sums"]
         result["used_mib_both_up"] = used_mib()
         for name, proc in (("importer", imp), ("exporter", exp)):
-            result[f"checkpoint_{name}"] = checkpoint_cycle(lib, proc.pid)
+            result[f"checkpoint_{name}"] = checkpoint_cycle(lib, proc.pid, args.lock_ms)
+            note(f"importer: its sums after the {name}'s cycle")
             send(imp_sock, {"check": True})
             result[f"after_{name}"] = receive(imp_sock)[0]
             result[f"after_{name}"]["intact"] = result[f"after_{name}"].get("sums") == result["sums_before"]
+    except TimeoutError as e:
+        result["stopped"] = str(e)
     finally:
+        signal.alarm(0)
         for sock in (imp_sock, exp_sock):
             try:
                 send(sock, {"go": True})
@@ -159,7 +184,7 @@ def main() -> None:
                 pass
         for proc in (imp, exp):
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
     print(json.dumps(result, indent=1))

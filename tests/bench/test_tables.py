@@ -169,15 +169,17 @@ def test_cold_table_with_a_worker_shows_the_first_start_apart():
 
 def test_checkpoint_reading_helpers(tmp_path):
     import torch
+
+    from preload.bench import file_reads
     from safetensors.torch import save_file
 
     save_file({"a": torch.zeros(4, 4), "b": torch.zeros(100)}, str(tmp_path / "model.safetensors"))
-    files = cold.checkpoint_files(tmp_path)
-    assert cold.largest_tensor(files) == ("b", 400)
-    seconds, n = cold.read_files(files, bytearray(64))
+    files = file_reads.checkpoint_files(tmp_path)
+    assert file_reads.largest_tensor(files) == ("b", 400)
+    seconds, n = file_reads.read_files(files, bytearray(64))
     assert n == files[0].stat().st_size and seconds >= 0
     with pytest.raises(FileNotFoundError):
-        cold.checkpoint_files(tmp_path / "nothing")
+        file_reads.checkpoint_files(tmp_path / "nothing")
 
 
 def test_serve_figures_and_table():

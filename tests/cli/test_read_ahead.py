@@ -12,7 +12,7 @@ import threading
 import numpy as np
 from daemons import wait_for
 
-from preload.bench.cold import evict_from_page_cache
+from preload.bench.file_reads import evict_from_page_cache
 from preload.cli.start import read_ahead
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -230,3 +230,36 @@ def test_a_core_forked_while_kernels_compile_ahead_waits_for_them_and_a_front_do
     assert compiling.settled() and (tmp_path / "marker").exists()  # (reaped; all compiled: the cache marked)
     with pytest.raises(ChildProcessError):
         os.waitpid(child, os.WNOHANG)
+
+
+def test_a_zygote_asked_for_nothing_more_still_settles_its_compiles_when_they_end(tmp_path):
+    """A zygote whose only worker was forked while its children compiled (one worker, no
+    spare) reaps them and marks the cache when they end, without a later fork request; a
+    request that comes first is answered first."""
+    import socket
+    import time
+
+    def compiling_for(seconds: float) -> ahead.Compiling:
+        ready, held = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(ready)
+            time.sleep(seconds)
+            os._exit(0)
+        os.close(held)
+        return ahead.Compiling([child], tmp_path / f"marker-{seconds}", ready)
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    compiling = compiling_for(0.3)
+    t0 = time.monotonic()
+    assert compiling.settled_unless_asked(ours) and 0.25 < time.monotonic() - t0 < 10
+    assert (tmp_path / "marker-0.3").exists()
+
+    compiling = compiling_for(2)
+    theirs.send(b"{}")  # (a fork request waits already)
+    t0 = time.monotonic()
+    assert not compiling.settled_unless_asked(ours) and time.monotonic() - t0 < 1
+    assert not (tmp_path / "marker-2").exists()
+    assert ahead.wait_compiles(compiling.pids, 10)
+    os.close(compiling.ready_fd)
+    ours.close(), theirs.close()
