@@ -2,7 +2,9 @@
 supervisor's loop advances once a turn: every slot in order, one at a time. (And
 `restart --now`, `restart_now`: every core at once.)
 
-For each slot: a replacement core is forked and warms up while the old one serves. Then,
+For each slot: a replacement core is forked and warms up while the old one serves (the next
+slots' replacements warm beside it, as many as the spares retired at the start left room
+for: a core's start, 1.2-1.3 s on an H100, was most of each slot's turn). Then,
 when the device has room for both KV caches, the replacement takes the slot first (go,
 ready): its hello makes the slot's front hand it every request in flight (worker/front.py),
 so the old core, retired by the front and SIGTERMed here, has nothing left to drain.
@@ -28,11 +30,17 @@ log = logging.getLogger("preload.daemon")
 
 class RollingRestart:
     def __init__(self, sup: Supervisor):
+        retired = [0] * sup.dp_ranks
         for w in sup.idle_spares():
             sup.retire_spare(w)
+            retired[w.dp_rank] += 1
+        # Replacements that warm at once on a rank: the one a restart always had room for, and one
+        # in each retired spare's room (a spare keeps what a core needs beside its KV cache).
+        self.window = [1 + n for n in retired]
         self.todo = list(range(len(sup.slots)))
         self.old: Worker | None = None
         self.fresh: Worker | None = None
+        self.ahead: dict[int, Worker] = {}  # slot -> its replacement, forked before the slot's turn
         self.phase = "next"  # next -> warming -> taking_over | draining_first -> next ...
         self.drain_timeout = sup.opts.worker.drain_timeout
 
@@ -47,10 +55,15 @@ class RollingRestart:
                 return False  # waiting for a worker
 
     def cancel(self, sup: Supervisor) -> None:
-        """Given up (a restart --now came): a replacement that has not taken over goes."""
-        if self.fresh is not None and self.fresh.relief and self.fresh.pid in sup.workers:
-            self.fresh.retiring = True
-            self.fresh.kill("restart cancelled")
+        """Given up (a restart --now came): the replacements that have not taken over go."""
+        for w in [self.fresh, *self.ahead.values()]:
+            self._drop(sup, w, "restart cancelled")
+        self.ahead.clear()
+
+    def _drop(self, sup: Supervisor, w: Worker | None, why: str) -> None:
+        if w is not None and w.relief and w.pid in sup.workers:
+            w.retiring = True
+            w.kill(why)
 
     def _alive(self, sup: Supervisor, w: Worker | None) -> bool:
         return w is not None and w.pid in sup.workers
@@ -60,14 +73,28 @@ class RollingRestart:
             return  # the code changed: a new zygote is importing it
         while self.todo:
             slot = self.todo.pop(0)
-            self.old = sup.holder(slot)
+            self.old, early = sup.holder(slot), self.ahead.pop(slot, None)
             if self.old is None:
+                self._drop(sup, early, "rolling restart: its slot is vacant")
                 continue  # vacant: the refill fills it, with the code of now
-            self.fresh = sup.spawn(slot)
-            self.fresh.relief = True
+            self.fresh = early if self._alive(sup, early) else self._fork(sup, slot)
+            self._fork_ahead(sup)
             self.phase = "warming"
             return
         self.phase = "done"
+
+    def _fork(self, sup: Supervisor, slot: int) -> Worker:
+        w = sup.spawn(slot)
+        w.relief = True
+        return w
+
+    def _fork_ahead(self, sup: Supervisor) -> None:
+        """The next slots' replacements, forked now where their rank's window has room."""
+        for slot in self.todo:
+            rank = sup.dp_rank(slot)
+            warming = sum(w.dp_rank == rank for w in [self.fresh, *self.ahead.values()])
+            if slot not in self.ahead and warming < self.window[rank] and sup.holder(slot) is not None:
+                self.ahead[slot] = self._fork(sup, slot)
 
     def _warming(self, sup: Supervisor) -> None:
         old, fresh, slot = self.old, self.fresh, self.fresh.slot
