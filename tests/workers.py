@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from daemons import PRELOAD, free_port, metrics, running_daemon
 
 from preload import BUNDLED_MODEL
 
+FIRST_ID = 5  # token ids below this may be special tokens (bos, eos, chat roles) in the bundled model
 SERVE_TIMEOUT = 120  # seconds to /health 200; a start costs an `import torch` (~3-6 s), more when loaded
 
 # For the tiny word-level tokenizer ("t0".."t96"): every piece of the rendering is a token.
@@ -153,3 +155,44 @@ def one_worker(model: Path, tmp_path_factory, name: str, *options: str):
     with running_daemon(tmp_path_factory.mktemp(name) / "state", model, "--dtype", "float32") as d, \
             running_workers(d.state_dir, tmp_path_factory.mktemp("logs"), options) as (w,):
         yield w
+
+
+# ---- requests and their answers ---------------------------------------------------------------
+
+
+def ids(n: int, seed: int, vocab: int) -> list[int]:
+    """`n` random token ids, none of them special."""
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
+
+
+def greedy(prompt, max_tokens: int = 8, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} | extra
+
+
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(r: httpx.Response) -> list[dict]:
+    """The JSON chunks of a completed SSE response; asserts it ends with [DONE] (once)."""
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    data = sse_data(r.text)
+    assert data and data[-1] == "[DONE]", data[-3:]
+    assert data.count("[DONE]") == 1
+    return [json.loads(d) for d in data[:-1]]
+
+
+def joined(chunks: list[dict], n: int = 1) -> tuple[list[str], list[str | None]]:
+    """Per-choice concatenated text and finish_reason of completion chunks."""
+    texts, reasons = [""] * n, [None] * n
+    for c in chunks:
+        for ch in c["choices"]:
+            i = ch["index"]
+            texts[i] += ch["text"]
+            if ch["finish_reason"] is not None:
+                assert reasons[i] is None, f"choice {i} finished twice"
+                reasons[i] = ch["finish_reason"]
+    return texts, reasons
