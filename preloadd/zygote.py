@@ -22,10 +22,9 @@ A zygote for GPU workers imports their Triton kernels once it is ready, a step a
 while no fork request waits (`next_request`): on a cold start whose load ends before the
 zygote's imports do, the first worker is forked at once and imports them itself, beside the
 zygote, instead of waiting for the zygote to import them first (0.7-1.2 s on an H200 host).
-It exits when the daemon closes its end. The spec comes apart from the launch so that a
-cold start's first zygote can be launched before the daemon has imported, bound its
-ports or planned its load (cli/start.py): its imports are the longest wait of a worker
-on a cold start (6 s on an H200 host, longer than reading V2-Lite's files).
+It exits when the daemon closes its end. The spec comes apart from the launch so that a cold
+start's first zygote can be launched before the daemon has imported, bound its ports or
+planned its load (cli/start.py): its imports are a cold start's longest wait (6 s, H200).
 
 This module is the one place in preloadd/ that runs worker code (in the zygote and the
 processes it forks, never in the daemon).
@@ -198,8 +197,7 @@ def main() -> None:
         # What the imports built lives as long as we do: out of the collector's sight, a
         # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
         gc.freeze()
-        # (what a GPU worker's first step would import: kernels/__init__.py)
-        idle_work = [*triton_import_steps(), gc.freeze] if spec.get("gpu") else []
+        idle_work = [*triton_import_steps(), gc.freeze] if spec.get("gpu") else []  # (a GPU worker's first step's)
         send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
         # (a host whose kernel cache lacks what the workers' list names: compiled beside the load)
         compiling = ahead.compile_listed() if spec.get("gpu") else None
@@ -207,7 +205,9 @@ def main() -> None:
             if compiling and compiling.settled_unless_asked(control):  # (else the cores forked meanwhile wait)
                 compiling = None
             msg, _ = next_request(control, idle_work)
-            if msg is None:  # the daemon closed its end
+            if msg is None:  # the daemon closed its end (kernels still compiling: stopped, not left as orphans)
+                if compiling:
+                    compiling.finish(0)
                 return
             pid, link = fork_worker(spec | {"dp_rank": msg.get("dp_rank", 0)} | (compiling.handed() if compiling else {}),
                                     msg["slot"], listen_fd, control, msg.get("role", "core"))
