@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from daemons import free_port, preload, running_daemon, wait_for
-from supervised import complete, start_args
+from supervised import complete, logs, start_args
 
 from preload.ipc.devices import memory_info
 
@@ -31,8 +31,8 @@ def test_level_1_frees_the_device_and_the_wake_serves_the_same_bytes(model_dir, 
     port = free_port()
     args = (*start_args(port, 1, "--spare-workers", 1), "--device", "cuda:0", "--gpu-memory-utilization", "0.5")
     with running_daemon(tmp_path / "state", model_dir, *args) as d:
-        assert wait_for(lambda: len(d.status()["spares"]) == 1 and d.status()["spares"][0]["state"] == "standby",
-                        timeout=300)
+        assert wait_for(lambda: [s["state"] for s in d.status()["spares"]] == ["standby"], timeout=300), \
+            (d.status()["spares"], logs(d.state_dir))
         before, fingerprint, held = text(port), d.status()["fingerprint"], used() - baseline
         arena = d.status()["data_parallel"][0]["bytes"]
         for cycle in range(3):
