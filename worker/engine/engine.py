@@ -31,7 +31,7 @@ from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import CacheSource, Sequence
-from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter
+from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter, judged_together
 from preload.worker.engine.step_clock import StepClock
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
@@ -273,10 +273,10 @@ class Engine:
             except SequenceFault as fault:
                 outputs.append(self._failed(seq, fault))
         outputs += self.advance([seq for seq, _ in advancing], self.sample(advancing, logprobs))
-        # Greedy drafts are judged on each row's argmax: the whole step's in one launch and
-        # one copy to the host (rows the processors change are judged as they leave them).
-        best = logprobs.argmax(-1).tolist() if verifying and not self.processors else None
-        outputs += [self._verify(seq, start, logprobs[first : first + n], best and best[first : first + n])
+        # The step's drafts are judged at once, on the device, one copy to the host
+        # (speculative.judge); rows the processors change, one sequence at a time as they leave them.
+        judged = {} if self.processors else judged_together([(seq, first) for seq, _, first, _ in verifying], logprobs)
+        outputs += [self._verify(seq, start, logprobs[first : first + n], judged.get(seq.id))
                     for seq, start, first, n in verifying]
         if self.drafter is not None:
             self.drafter.draft(spans, hidden)
@@ -308,17 +308,17 @@ class Engine:
         picked = hidden if rows == list(range(len(hidden))) else hidden[torch.tensor(rows, device=dev)]
         return self.model.logits(picked).log_softmax(-1), hidden
 
-    def _verify(self, seq: Sequence, start: int, rows: torch.Tensor, best: list[int] | None) -> Output:
+    def _verify(self, seq: Sequence, start: int, rows: torch.Tensor, judged: list[int] | None) -> Output:
         """Keep what the target agrees with of `seq`'s drafts (speculative.accept) and the
-        token after them; the pending token and the kept drafts are computed now. `best`:
-        the rows' argmax, where already known."""
+        token after them; the pending token and the kept drafts are computed now. `judged`:
+        those tokens, where already known (the step's drafts judged together)."""
         outs = []
         try:
             # Row j follows the pending token and j drafts: the operator's processors see those
             # as generated, and shape the row before the drafts are judged on it.
             rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
             with stage("speculative decoding"):
-                tokens = accept(rows, seq, best)
+                tokens = judged or accept(rows, seq)
             seq.keep_drafts(0)
             seq.computed = start + len(tokens)
             self.blocks.cache_full_blocks(seq)

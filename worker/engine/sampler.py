@@ -125,19 +125,35 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
         return greedy
-    ps = [params[i] for i in drawn]
-    x = logits[drawn] / column([p.temperature for p in ps])
-    k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-    if min(k) < vocab:
-        kth = x.topk(max(k), dim=-1).values.gather(1, on_device(k, dev)[:, None] - 1)
-        x = x.masked_fill(x < kth, float("-inf"))
-    if any(p.min_p > 0.0 for p in ps):
-        x = min_p_filter(x, column([p.min_p for p in ps]))
-    probs = x.softmax(-1)
-    if any(p.top_p < 1.0 for p in ps):
-        probs = top_p_filter(probs, column([p.top_p for p in ps]))
+    probs = distributions(logits[drawn], [params[i] for i in drawn])
     noise = torch.empty_like(probs).exponential_()
     for row, i in enumerate(drawn):
         if generators[i] is not None:
             noise[row].exponential_(generator=generators[i])
-    return greedy.index_put((on_device(drawn, dev),), (probs / noise).argmax(-1))
+    return greedy.index_put((on_device(drawn, dev),), draw(probs, noise))
+
+
+def distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`distribution` for logits [N, V], row i with params[i], in a handful of operations
+    for the whole batch."""
+    vocab, dev = logits.shape[-1], logits.device
+
+    def column(values: list) -> torch.Tensor:
+        return on_device(values, dev, torch.float32)[:, None]
+
+    x = logits / column([p.temperature for p in params])
+    k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(k) < vocab:
+        kth = x.topk(max(k), dim=-1).values.gather(1, on_device(k, dev)[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        x = min_p_filter(x, column([p.min_p for p in params]))
+    probs = x.softmax(-1)
+    if any(p.top_p < 1.0 for p in params):
+        probs = top_p_filter(probs, column([p.top_p for p in params]))
+    return probs
+
+
+def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """A token per row of probs [N, V]: argmax(p / E), token i with probability p_i."""
+    return (probs / noise).argmax(-1)

@@ -19,6 +19,9 @@ pending token and the k drafts through the target at once (one pass, k+1 rows) a
   at the first rejection a token from max(0, p - q) renormalized, after k acceptances one
   from p: the target's distribution, exactly (Leviathan et al., 2023).
 
+A step's drafts are judged together on the device, greedy and sampled alike (`judge`):
+one copy to the host a step, not one a draft.
+
 The KV of rejected drafts is left where it is: context lengths never reach it, and the
 next tokens overwrite it. Only requests whose logits nothing else changes speculate (no
 grammar, bias, penalties, log-probs); the others decode one token a step beside them.
@@ -34,12 +37,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
-from preload.worker.engine.sampler import distribution
+from preload.worker.engine.host_values import on_device
+from preload.worker.engine.sampler import distribution, distributions, draw
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
 
@@ -110,29 +115,80 @@ def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int],
     return tokens, qs
 
 
-def accept(rows: torch.Tensor, seq: Sequence, best: list[int] | None = None) -> list[int]:
+def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
     """The tokens a verify pass gives `seq`: rows [k+1, V] are the target's logits after
-    the pending token and each of its k drafts (seq.drafts, seq.draft_probs); `best`:
-    their argmax, where the caller has it already."""
-    drafts = seq.drafts
-    if seq.params.greedy:
-        best = rows.argmax(-1).tolist() if best is None else best
-        n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
-        return drafts[:n] + [best[n]]
-    out = []
-    for j, d in enumerate(drafts):
-        gen = seq.generator_at(len(seq.output) + j)  # (row j's draws are output token len + j's)
-        p, q = distribution(rows[j], seq.params), seq.draft_probs[j]
-        u = float(torch.rand((), generator=gen, device=rows.device)) if gen is not None else float(torch.rand(()))
-        if u * float(q[d]) < float(p[d]):  # accepted with probability min(1, p(d) / q(d))
-            out.append(d)
-            continue
-        residual = (p - q).clamp_(min=0)
-        total = float(residual.sum())
-        fallback = residual / total if total > 0 else p
-        return out + [int(torch.multinomial(fallback, 1, generator=gen))]
-    gen = seq.generator_at(len(seq.output) + len(drafts))
-    return out + [int(torch.multinomial(distribution(rows[len(drafts)], seq.params), 1, generator=gen))]
+    the pending token and each of its k drafts (seq.drafts, seq.draft_probs)."""
+    return judge(rows, [seq])[0]
+
+
+def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+    """`accept` for a step's verifying sequences at once, on the device, with one copy to
+    the host: rows [R, V] are theirs in order, k_i + 1 each. A greedy sequence keeps its drafts while
+    they equal the rows' argmax, then the argmax. A sampled one keeps draft j with
+    probability min(1, p(d) / q(d)) (a uniform u: u q(d) < p(d)); the first one refused is
+    replaced by a draw from max(0, p - q) renormalized (p where that is empty), and after
+    k kept drafts the next token is drawn from p. A seeded request draws row j's token and
+    u from its generator set for output token len(output) + j (sampling_params.draw_seed)."""
+    dev, ks = rows[0].device, [len(seq.drafts) for seq in seqs]
+    firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
+    before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
+    x = rows.float()
+    chosen = x.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
+    if all(seq.params.greedy for seq in seqs):  # (the argmax alone to the host: fewer launches than below)
+        best = chosen.tolist()
+        ns = [next((j for j, d in enumerate(seq.drafts) if best[f + j] != d), k) for seq, f, k in zip(seqs, firsts, ks)]
+        return [seq.drafts[:n] + [best[f + n]] for seq, f, n in zip(seqs, firsts, ns)]
+    at = on_device([f + j for f, k in zip(firsts, ks) for j in range(k)], dev, torch.long)  # the rows judging a draft
+    d = on_device([t for seq in seqs for t in seq.drafts], dev, torch.long)
+    kept = chosen[at] == d
+    drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if drawn:
+        # Their rows alone ([Rs, V]), in order; `judging`: where their drafts' rows are among them.
+        own = on_device([firsts[i] + j for i in drawn for j in range(ks[i] + 1)], dev, torch.long)
+        mine = accumulate((ks[i] + 1 for i in drawn[:-1]), initial=0)  # each one's first row among them
+        judging = on_device([f + j for f, i in zip(mine, drawn) for j in range(ks[i])], dev, torch.long)
+        p = distributions(x[own], [seqs[i].params for i in drawn for _ in range(ks[i] + 1)])
+        noise, u = torch.empty_like(p).exponential_(), torch.rand(len(judging), device=dev)
+        row = judged = 0
+        for i in drawn:
+            seq = seqs[i]
+            for j in range(ks[i] + 1):
+                gen = seq.generator_at(len(seq.output) + j)  # (set for this row: its noise, then its u)
+                if gen is not None:
+                    noise[row].exponential_(generator=gen)
+                    if j < ks[i]:
+                        u[judged : judged + 1].uniform_(generator=gen)
+                row, judged = row + 1, judged + (j < ks[i])
+        theirs = on_device([before[i] + j for i in drawn for j in range(ks[i])], dev, torch.long)  # in `kept`
+        q = torch.stack([q for i in drawn for q in seqs[i].draft_probs]).to(p)
+        pd, dd = p[judging], d[theirs][:, None]
+        residual = (pd - q).clamp_(min=0)
+        total = residual.sum(-1, keepdim=True)
+        p = p.index_put((judging,), torch.where(total > 0, residual / total, pd))
+        chosen = chosen.index_put((own,), draw(p, noise))
+        kept = kept.index_put((theirs,), u * q.gather(1, dd)[:, 0] < pd.gather(1, dd)[:, 0])
+    flags = torch.zeros(len(seqs), max(ks, default=0) + 1, dtype=torch.long, device=dev)  # (a last 0: none past k)
+    flags[on_device([i for i, k in enumerate(ks) for _ in range(k)], dev, torch.long),
+          on_device([j for k in ks for j in range(k)], dev, torch.long)] = kept.long()
+    n = flags.cumprod(-1).sum(-1)  # the drafts kept: those before the first refused
+    n_kept, last = torch.stack([n, chosen[on_device(firsts, dev, torch.long) + n]]).tolist()  # (the one copy to the host)
+    return [seq.drafts[:m] + [t] for seq, m, t in zip(seqs, n_kept, last)]
+
+
+def judged_together(verifying: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> dict[int, list[int]]:
+    """{sequence id: its tokens} for a step's (sequence, its first row in logprobs), judged
+    together; {} if that fails: then each is judged alone (`accept`), and a failure is the
+    one sequence's."""
+    if not verifying:
+        return {}
+    seqs = [seq for seq, _ in verifying]
+    picked = [first + j for seq, first in verifying for j in range(len(seq.drafts) + 1)]
+    try:
+        with stage("speculative decoding"):  # (every row, a verify step's: no copy of them)
+            rows = logprobs if picked == list(range(len(logprobs))) else logprobs[on_device(picked, logprobs.device)]
+            return dict(zip((seq.id for seq in seqs), judge(rows, seqs)))
+    except SequenceFault:
+        return {}
 
 
 class Drafter:

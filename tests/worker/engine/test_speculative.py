@@ -23,7 +23,7 @@ from preload.options import EngineOptions
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
-from preload.worker.engine.speculative import SpecConfig, accept
+from preload.worker.engine.speculative import SpecConfig, accept, judge
 from preload.worker.model.kv_cache import bytes_per_token
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False)
@@ -121,22 +121,50 @@ def test_a_seeded_sampled_request_is_reproducible_with_drafts():
 
 def test_rejection_sampling_keeps_the_target_distribution():
     """One draft drawn from q, judged against p: the token that comes out is distributed as
-    p (the acceptance rule of Leviathan et al.), here over 40,000 draws of an 8-token vocab."""
-    gen = torch.Generator().manual_seed(0)
+    p (the acceptance rule of Leviathan et al.), here over 40,000 draws of an 8-token vocab,
+    judged in one batch."""
+    torch.manual_seed(0)
     target = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5], [0.0] * 8])
     params = SamplingParams(temperature=1.0, max_tokens=4)
     p = distribution(target[0], params)
     q = torch.tensor([0.05, 0.4, 0.05, 0.2, 0.1, 0.1, 0.05, 0.05])
-    counts = torch.zeros(8)
-    for _ in range(40_000):
-        seq = Sequence([1], params, generator=gen)
-        d = int(torch.multinomial(q, 1, generator=gen))
-        seq.drafts, seq.draft_probs = [d], [q]
-        counts[accept(target, seq)[0]] += 1
+    seqs = [Sequence([1], params, drafts=[int(d)], draft_probs=[q]) for d in torch.multinomial(q, 40_000, replacement=True)]
+    assert accept(target, seqs[0])[0] in range(8)  # (one alone, as the engine judges with processors)
+    counts = torch.bincount(torch.tensor([got[0] for got in judge(target.repeat(len(seqs), 1), seqs)]), minlength=8)
     freq = counts / counts.sum()
     assert torch.allclose(freq, p, atol=0.01), (freq, p)
     # (the draft distribution is far from it: accepting every draft would fail this)
     assert not torch.allclose(q, p, atol=0.05)
+
+
+def test_a_steps_drafts_judged_together_are_judged_as_each_alone():
+    """speculative.judge over a step's verifying sequences at once (greedy and seeded
+    sampled, 1 to 3 drafts each, one copy to the host) gives each the tokens it gets judged
+    alone: no draw depends on the batch. Greedy ones keep their drafts while they are the
+    argmax; seeded ones give the same tokens again."""
+    torch.manual_seed(0)
+    vocab, seqs, rows = 40, [], []
+    for i, (temperature, k) in enumerate([(0.0, 2), (0.9, 3), (1.0, 1), (0.0, 3), (0.7, 2), (1.0, 3)]):
+        params = SamplingParams(temperature=temperature, top_k=12 if temperature else 0, seed=10 + i, max_tokens=8)
+        seq = Sequence([1, 2], params, output=[3] * i, generator=torch.Generator())
+        r = (torch.randn(k + 1, vocab) * 3).log_softmax(-1)
+        if temperature:
+            seq.draft_probs = [distribution(r[j] + torch.randn(vocab), params) for j in range(k)]
+            seq.drafts = [int(torch.multinomial(q, 1)) for q in seq.draft_probs]
+        else:
+            seq.drafts = r.argmax(-1)[:k].tolist()
+            seq.drafts[k - 1] = (seq.drafts[k - 1] + 1) % vocab  # (the last draft wrong)
+        seqs.append(seq)
+        rows.append(r)
+    together = judge(torch.cat(rows), seqs)
+    assert together == [judge(r, [s])[0] for r, s in zip(rows, seqs)] == judge(torch.cat(rows), seqs)
+    for seq, r, got in zip(seqs, rows, together):
+        k = len(seq.drafts)
+        if seq.params.greedy:
+            assert got == seq.drafts[: k - 1] + [int(r[k - 1].argmax())]
+        else:
+            assert 1 <= len(got) <= k + 1 and got[:-1] == seq.drafts[: len(got) - 1]
+    assert any(len(got) > 1 for seq, got in zip(seqs, together) if not seq.params.greedy)  # (some draft kept)
 
 
 def two_sample_p_value(a: list[int], b: list[int], least: int = 10) -> float:
