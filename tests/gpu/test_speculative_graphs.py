@@ -3,7 +3,8 @@ step (each sequence's pending token and its k drafts, a row each) replays the de
 graphs, and the drafter's steps (the MTP layer's, a draft model's) replay graphs of their
 own. Greedy outputs are those of plain decoding with graphs (up to near ties: a verify row
 and a one-token step may sum in another order) at batch 1, 16 and 64, with requests that
-do not draft in the same steps, and with a cache too small for every draft.
+do not draft in the same steps, and with a cache too small for every draft. Sampled
+requests, their drafts judged on the device, keep the target's distribution.
 
 Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is absent.
 """
@@ -12,6 +13,8 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
+from draws import two_sample_p_value
 from engine_steps import run_to_end
 from greedy import ONE_ULP, assert_same_greedy
 
@@ -98,3 +101,22 @@ def test_a_full_cache_with_drafts_preempts_and_finishes_in_graphs(plain):
     assert_same_greedy(got, plain.generate(batch, max_tokens=100, logprobs=5, ignore_eos=True), ONE_ULP, most=False)
     s = llm.engine.stats()
     assert s.preemptions > 0 and s.kv_blocks_used == 0 and not llm.engine.has_work() and target
+
+
+def test_sampled_requests_with_drafts_keep_the_targets_distribution_on_the_gpu(plain):
+    """Sampled requests judged on the device (speculative.judge): 512 copies of one prompt,
+    temperature 1 and top-k 4, with 2 MTP drafts a step and without: at each position past
+    the first the tokens are distributed alike (two-sample chi-square at 1e-4), some drafts
+    are kept and some refused, and seeded requests give the same tokens twice."""
+    torch.manual_seed(0)
+    kw = dict(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(2, max_num_seqs=256))
+    many = [[5, 6, 7, 8]] * 512
+    drafted, alone = llm.generate(many, **kw), plain.generate(many, **kw)
+    for pos in (1, 2, 3):
+        assert two_sample_p_value([o.token_ids[pos] for o in drafted], [o.token_ids[pos] for o in alone]) > 1e-4, pos
+    s = llm.engine.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    seeded = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts(16), **seeded)] == \
+        [o.token_ids for o in llm.generate(prompts(16), **seeded)]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from draws import two_sample_p_value
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
@@ -165,24 +165,6 @@ def test_a_steps_drafts_judged_together_are_judged_as_each_alone():
         else:
             assert 1 <= len(got) <= k + 1 and got[:-1] == seq.drafts[: len(got) - 1]
     assert any(len(got) > 1 for seq, got in zip(seqs, together) if not seq.params.greedy)  # (some draft kept)
-
-
-def two_sample_p_value(a: list[int], b: list[int], least: int = 10) -> float:
-    """Chi-square test that two equally many draws come from one distribution (categories
-    seen fewer than `least` times together pooled into one): its p-value."""
-    ca, cb = Counter(a), Counter(b)
-    bins: list[tuple[int, int]] = []
-    rare = [0, 0]
-    for t in ca.keys() | cb.keys():
-        if ca[t] + cb[t] < least:
-            rare[0] += ca[t]
-            rare[1] += cb[t]
-        else:
-            bins.append((ca[t], cb[t]))
-    if sum(rare):
-        bins.append(tuple(rare))
-    stat = sum((x - y) ** 2 / (x + y) for x, y in bins)
-    return float(1 - torch.distributions.Chi2(len(bins) - 1).cdf(torch.tensor(stat))) if len(bins) > 1 else 1.0
 
 
 def test_sampled_outputs_keep_the_targets_distribution_end_to_end(plain):
