@@ -106,8 +106,9 @@ def test_a_full_cache_with_drafts_preempts_and_finishes_in_graphs(plain):
 def test_sampled_requests_with_drafts_keep_the_targets_distribution_on_the_gpu(plain):
     """Sampled requests judged on the device (speculative.judge): 512 copies of one prompt,
     temperature 1 and top-k 4, with 2 MTP drafts a step and without: at each position past
-    the first the tokens are distributed alike (two-sample chi-square at 1e-4), some drafts
-    are kept and some refused, and seeded requests give the same tokens twice."""
+    the first the tokens are distributed alike (two-sample chi-square at 1e-4), and some
+    drafts are kept and some refused. (Seeded repeats are the CPU tests': a GPU's sums may
+    round differently from one run to the next.)"""
     torch.manual_seed(0)
     kw = dict(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
     llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(2, max_num_seqs=256))
@@ -117,6 +118,3 @@ def test_sampled_requests_with_drafts_keep_the_targets_distribution_on_the_gpu(p
         assert two_sample_p_value([o.token_ids[pos] for o in drafted], [o.token_ids[pos] for o in alone]) > 1e-4, pos
     s = llm.engine.stats()
     assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
-    seeded = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(prompts(16), **seeded)] == \
-        [o.token_ids for o in llm.generate(prompts(16), **seeded)]
