@@ -8,10 +8,11 @@ Everything is measured on this machine in one run, so the ratios compare like wi
    targets' reference) and time `python -c 'import torch'` as often;
 2. with workers, for each quant mode a first start with no GPU kernels compiled yet (a
    machine's first) and one whose cache holds only the list of kernels that start recorded
-   (an image's or a copied list: compiled beside the load), recorded apart; then for each quant mode, `repeat` times (after
-   one unrecorded warm-up launch, or those first starts): run the real `preload start`
-   (with `workers` workers, if any: it returns once they are ready) until it exits 0,
-   sampling the memory of its process tree every 20 ms; read the daemon's own /status
+   (an image's or a copied list: compiled beside the load), recorded apart; then for each
+   quant mode, `repeat` times (after one unrecorded warm-up launch, or those first starts):
+   run the real `preload start` (with `workers` workers, if any: it returns once they are
+   ready) until it exits 0, sampling the memory of its process tree every 20 ms; read the
+   daemon's own /status
    (load_seconds, arena bytes) and its kernel peak RSS (VmHWM); time `preload stop`.
    The files are warm in the page cache throughout.
 The memfd arena is written with pwrite and never mapped by the daemon, so it is not in
