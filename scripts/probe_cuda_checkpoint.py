@@ -25,9 +25,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROLE_ARGS = 3  # argv: role, fd of its socket, MiB
+CALL_TIMEOUT = 30.0  # seconds for each driver call
 
 
 def cu():
@@ -128,8 +130,16 @@ def checkpoint_cycle(lib, pid: int, lock_ms: int) -> dict:
     for step in ("Lock", "Checkpoint", "Restore", "Unlock"):
         call = getattr(lib, f"cuCheckpointProcess{step}")
         note(f"cuCheckpointProcess{step}({pid})")
-        t = time.perf_counter()
-        rc = call(ctypes.c_int(pid), ctypes.byref(LockArgs(lock_ms)) if step == "Lock" else None)
+        t, answer = time.perf_counter(), []
+        # (in a thread: a call the driver never returns from would hold the probe, signals and all)
+        worker = threading.Thread(target=lambda: answer.append(
+            call(ctypes.c_int(pid), ctypes.byref(LockArgs(lock_ms)) if step == "Lock" else None)), daemon=True)
+        worker.start()
+        worker.join(CALL_TIMEOUT)
+        if not answer:
+            out[step.lower()] = {"result": f"no answer in {CALL_TIMEOUT:.0f} s"}
+            break
+        rc = answer[0]
         out[step.lower()] = {"result": error_name(lib, rc), "seconds": round(time.perf_counter() - t, 4)}
         if step in ("Checkpoint", "Restore"):
             out[step.lower()]["used_mib_after"] = used_mib()
@@ -187,7 +197,8 @@ def main() -> None:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1), flush=True)
+    os._exit(0)  # (not waiting for a driver call that never returned)
 
 
 if __name__ == "__main__":
