@@ -135,10 +135,14 @@ def tile_config(fp8: bool, swiglu: bool) -> dict:
 
 def supported(gate: Weight, up: Weight, down: Weight, block_m: int) -> bool:
     """Whether these experts' prefill runs here: blocks of 64 or 128 rows; bf16, or e4m3
-    with DeepSeek's 128 x 128 scale blocks (other scales: fused_moe's kernel); matrices
-    that TMA can read (16-byte aligned, rows contiguous, every other stride a multiple of
-    16 bytes: any arena's, whose entries lie 256 bytes apart, ipc/layout.py)."""
+    with DeepSeek's 128 x 128 scale blocks (other scales: fused_moe's kernel; float32,
+    whose tiles take twice the bytes, past the shared memory tile_config's stages are
+    sized for: fused_moe's too); matrices that TMA can read (16-byte aligned, rows
+    contiguous, every other stride a multiple of 16 bytes: any arena's, whose entries lie
+    256 bytes apart, ipc/layout.py)."""
     if block_m not in (64, 128):
+        return False
+    if any(kernel_parts(w)[0].element_size() > 2 for w in (gate, up, down)):
         return False
     if isinstance(gate, Fp8Weight) and scale_block(gate) != (128, 128):
         return False

@@ -59,6 +59,26 @@ def test_fused_moe_at_real_shapes(quant, shape, tokens):
     assert err < (2e-2 if quant == "none" else 3e-2), err  # (e4m3: V3's 7168-long rows, 2.04% seen)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 256, 2048])
+def test_fused_moe_in_float32_through_a_prefills_blocks(tokens):
+    """A float32 model (`--dtype float32` on a GPU: the GPU tests' daemons) at the block
+    sizes a prompt step takes, 2048 tokens over 8 experts being 512 pairs each: the TMA
+    kernels' tiles, sized for 2-byte operands, are not for it (moe_prefill.supported), and
+    whatever runs must fit the chip and give the experts' sum."""
+    from preload.kernels.fused_moe import fused_moe, stack_experts
+    from preload.kernels.moe import moe_experts, swiglu
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    num, top_k, d, inner = 8, 2, 128, 128
+    experts = [tuple(torch.randn(*s, device="cuda", generator=gen) * 0.05 for s in ((inner, d), (inner, d), (d, inner)))
+               for _ in range(num)]
+    x = torch.randn(tokens, d, device="cuda", generator=gen)
+    weights, ids = torch.randn(tokens, num, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
+    want = moe_experts(x, ids, weights, [lambda v, e=e: swiglu(v, *e) for e in experts])
+    got = fused_moe(x, ids, weights, *(stack_experts([e[i] for e in experts]) for i in range(3)))
+    assert got.dtype == torch.float32 and (got - want).abs().max() / want.abs().max() < 1e-2  # (tf32 products)
+
+
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     """x rounded as fp8_act.quantize_groups stores it (e4m3, a scale per row and group), back in x's dtype."""
     from preload.kernels.fp8_act import GROUP, quantize_groups

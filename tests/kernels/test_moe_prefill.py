@@ -43,7 +43,7 @@ def test_moe_prefill_equals_the_expert_loop(quant):
     assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
 
 
-def test_per_tensor_scales_small_blocks_and_unaligned_rows_are_left_to_fused_moe():
+def test_per_tensor_scales_small_blocks_unaligned_rows_and_float32_are_left_to_fused_moe():
     gen = torch.Generator().manual_seed(2)
     per_tensor = stack_experts([e[0] for e in experts(2, 128, 128, "fp8_per_tensor", gen)])
     bf16 = stack_experts([e[0] for e in experts(2, 128, 128, "none", gen)])
@@ -51,6 +51,8 @@ def test_per_tensor_scales_small_blocks_and_unaligned_rows_are_left_to_fused_moe
     assert not supported(per_tensor, per_tensor, per_tensor, 64)
     assert not supported(bf16, bf16, bf16, 32) and supported(bf16, bf16, bf16, 128)
     assert not supported(bf16, bf16, odd, 128)
+    f32 = bf16.float()  # (its tiles would not fit the shared memory the stages are sized for)
+    assert not supported(f32, f32, f32, 128)
 
 
 def test_gathered_rows_are_the_pairs_tokens_and_padding_is_zero():
