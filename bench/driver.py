@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -39,7 +40,18 @@ class DaemonError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port to listen on that nothing holds now, from below the kernel's ephemeral range:
+    one from that range (port 0's) may be handed to any process's outgoing connection or
+    listener before ours binds it (a test's daemon once found its API port taken so)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 16384), low)
+        if port_is_free(port):
+            return port
+    with socket.socket() as s:  # (a crowded range: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
