@@ -123,17 +123,17 @@ def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
 
 def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     """`accept` for a step's verifying sequences at once, on the device, with one copy to
-    the host: rows [R, V] are theirs in order, k_i + 1 each. A greedy sequence keeps its drafts while
-    they equal the rows' argmax, then the argmax. A sampled one keeps draft j with
-    probability min(1, p(d) / q(d)) (a uniform u: u q(d) < p(d)); the first one refused is
-    replaced by a draw from max(0, p - q) renormalized (p where that is empty), and after
-    k kept drafts the next token is drawn from p. A seeded request draws row j's token and
-    u from its generator set for output token len(output) + j (sampling_params.draw_seed)."""
-    dev, ks = rows[0].device, [len(seq.drafts) for seq in seqs]
+    the host: rows [R, V] are theirs in order, k_i + 1 each. A greedy sequence keeps its
+    drafts while they equal the rows' argmax, then the argmax. A sampled one keeps draft j
+    with probability min(1, p(d) / q(d)) (a uniform u: u q(d) < p(d)); the first one
+    refused is replaced by a draw from max(0, p - q) renormalized (p where that is empty),
+    and after k kept drafts the next token is drawn from p. A seeded request draws row j's
+    token and u from its generator set for output token len(output) + j
+    (sampling_params.draw_seed)."""
+    dev, ks = rows.device, [len(seq.drafts) for seq in seqs]
     firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
     before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
-    x = rows.float()
-    chosen = x.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
+    chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
     if all(seq.params.greedy for seq in seqs):  # (the argmax alone to the host: fewer launches than below)
         best = chosen.tolist()
         ns = [next((j for j, d in enumerate(seq.drafts) if best[f + j] != d), k) for seq, f, k in zip(seqs, firsts, ks)]
@@ -147,7 +147,7 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
         own = on_device([firsts[i] + j for i in drawn for j in range(ks[i] + 1)], dev, torch.long)
         mine = accumulate((ks[i] + 1 for i in drawn[:-1]), initial=0)  # each one's first row among them
         judging = on_device([f + j for f, i in zip(mine, drawn) for j in range(ks[i])], dev, torch.long)
-        p = distributions(x[own], [seqs[i].params for i in drawn for _ in range(ks[i] + 1)])
+        p = distributions(rows[own].float(), [seqs[i].params for i in drawn for _ in range(ks[i] + 1)])
         noise, u = torch.empty_like(p).exponential_(), torch.rand(len(judging), device=dev)
         row = judged = 0
         for i in drawn:
