@@ -314,11 +314,13 @@ class Engine:
         those tokens, where already known (the step's drafts judged together)."""
         outs = []
         try:
-            # Row j follows the pending token and j drafts: the operator's processors see those
-            # as generated, and shape the row before the drafts are judged on it.
-            rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
-            with stage("speculative decoding"):
-                tokens = judged or accept(rows, seq)
+            tokens = judged
+            if tokens is None:
+                # Row j follows the pending token and j drafts: the operator's processors see those
+                # as generated, and shape the row before the drafts are judged on it.
+                rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
+                with stage("speculative decoding"):
+                    tokens = accept(rows, seq)
             seq.keep_drafts(0)
             seq.computed = start + len(tokens)
             self.blocks.cache_full_blocks(seq)
