@@ -85,11 +85,14 @@ class DecodeGraphs:
 
     def fits(self, batch: list[tuple]) -> bool:
         """Whether a step of (sequence, start, n) spans can be replayed: one new token each,
-        or a pending token and its drafts (a verify span), few enough rows for a captured
-        bucket, every context within the table."""
-        return (bool(self.graphs) and fed_rows(batch) <= max(self.graphs)
-                and all(n == 1 or n == 1 + len(seq.drafts) for seq, _, n in batch)
-                and all(len(seq.blocks) <= self.width for seq, _, _ in batch))
+        or a pending token and its drafts (a verify span), and `holds` them."""
+        return (all(n == 1 or n == 1 + len(seq.drafts) for seq, _, n in batch)
+                and self.holds(fed_rows(batch), [seq.blocks for seq, _, _ in batch]))
+
+    def holds(self, rows: int, tables: list[list[int]]) -> bool:
+        """Whether `rows` rows with these block tables fit a captured bucket, every context
+        within the table."""
+        return bool(self.graphs) and rows <= max(self.graphs) and all(len(t) <= self.width for t in tables)
 
     def bucket(self, n: int) -> int:
         """The bucket `n` rows are replayed in, once it is captured."""

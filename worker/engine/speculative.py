@@ -218,7 +218,7 @@ class Drafter:
         draws) of the drafter over the spans (start, tokens, blocks) of a flat batch; the
         tokens from the host, or already on the device (chained drafts)."""
         g, on_device = self.graphs, isinstance(tokens, torch.Tensor)
-        if g is not None and g.graphs and len(tokens) <= max(g.graphs) and all(len(b) <= g.width for *_, b in spans):
+        if g is not None and g.holds(len(tokens), [blocks for *_, blocks in spans]):
             g.ensure(self.cache, self.scratch_block, [g.bucket(len(tokens))])  # (a lazy start's bucket: at first use)
             rows = [(start + j, blocks) for start, n, blocks in spans for j in range(n)]
             logprobs, x = g.replay_rows([(0 if on_device else t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
