@@ -1,9 +1,9 @@
 """Choosing the next token: penalties, temperature, top-k, min-p, top-p, on the device,
 for the whole batch at once.
 
-`sample_batch` is what the engine runs: a handful of tensor operations over the batch's
-log-probs, wherever they are (the GPU, or the CPU). Sampling draws one exponential
-variate per token and takes argmax(p / E): that picks token i with probability p_i,
+`sample_batch` is what the engine runs (and `sample_rows`, its draws, the drafter's): a
+handful of tensor operations over the batch's log-probs, wherever they are (the GPU, or
+the CPU). Sampling draws one exponential variate per token and takes argmax(p / E): that picks token i with probability p_i,
 like a multinomial draw, without a cumulative sum or a host round trip. Rows with a
 seed draw from their own generator, the others from the device's.
 
@@ -121,16 +121,26 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
         presence = column([p.presence_penalty for p in params])
         frequency = column([p.frequency_penalty for p in params])
         logits -= presence * (counts > 0) + frequency * counts
+    return sample_rows(logits, params, generators)[0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token ids [N], on logits' device; the distributions the sampled rows drew from,
+    [S, V] float32 in row order, or None if every row is greedy) for logits [N, V] that
+    nothing more shapes: the argmax for greedy rows, argmax(p / E) for the others, E from
+    the row's generator where it has one."""
     greedy = logits.argmax(-1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if not drawn:
-        return greedy
-    probs = distributions(logits[drawn], [params[i] for i in drawn])
+        return greedy, None
+    rows = on_device(drawn, logits.device)
+    probs = distributions(logits[rows].float(), [params[i] for i in drawn])
     noise = torch.empty_like(probs).exponential_()
     for row, i in enumerate(drawn):
         if generators[i] is not None:
             noise[row].exponential_(generator=generators[i])
-    return greedy.index_put((on_device(drawn, dev),), draw(probs, noise))
+    return greedy.index_put((rows,), draw(probs, noise)), probs
 
 
 def distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.host_values import on_device
-from preload.worker.engine.sampler import distribution, distributions, draw
+from preload.worker.engine.sampler import distributions, draw, sample_rows
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
 
@@ -100,19 +100,6 @@ def speculates(seq: Sequence) -> bool:
     """Whether nothing but temperature, top-k and top-p shapes this request's draws."""
     p = seq.params
     return not p.shapes_logits and p.logprobs is None and p.prompt_logprobs is None
-
-
-def draft_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One draft per row of MTP logits: the argmax for greedy requests; for sampled ones a
-    draw from q (their own generator), with q kept for the acceptance test."""
-    tokens = logits.argmax(-1).tolist()
-    qs: list[torch.Tensor | None] = [None] * len(seqs)
-    for i, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            qs[i] = distribution(logits[i], seq.params)
-            gen = seq.generator_at(len(seq.output) + len(seq.drafts), stream=1)  # (the index it drafts)
-            tokens[i] = int(torch.multinomial(qs[i], 1, generator=gen))
-    return tokens, qs
 
 
 def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
@@ -257,47 +244,66 @@ class Drafter:
         seqs = [catch[i][0] for i in picks]
         last = ends[torch.tensor(picks, device=self.device)]
         x, logits = (x[last] if x is not None else None), logits[last]
-        if self.shape is None and all(seq.params.greedy for seq in seqs):
+        if self.shape is None:
             self._chain(seqs, x, logits, shift)
         else:
             self._draw(seqs, x, logits, shift)
         self.drafted += sum(len(catch[i][0].drafts) for i in picks)
 
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft j of each row (on the device): the argmax for greedy requests, for sampled
+        ones a draw from q, their distribution (also returned, [S, V] in row order, for the
+        acceptance test); a seeded request draws from its generator set for the output token
+        the draft stands for (stream 1: not the target's draws of it)."""
+        gens = [None if seq.params.greedy else seq.generator_at(len(seq.output) + len(seq.drafts) + j, stream=1)
+                for seq in seqs]
+        return sample_rows(logits, [seq.params for seq in seqs], gens)
+
     def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
-        """Greedy drafts chained on the device: each draft (the argmax) is the next step's
-        input where it lies, the host only growing the blocks; the k drafts of every
-        sequence come back in one copy, not one a draft."""
-        drafts, fed = [logits.argmax(-1)], [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
-        for j in range(self.k - 1):
-            at = {i: seqs[i].computed + j + 1 - shift for i in fed[-1]}
+        """Drafts chained on the device, when no processor shapes them: each draft is the
+        next draft step's input where it lies, the host only growing the blocks; the k
+        drafts of every sequence come back in one copy, not one a draft (a sampled one's q
+        stays on the device for the acceptance test)."""
+        fed = [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
+        drafts, qs = [], []  # per draft: the tokens of fed[j]; the q rows of its sampled ones
+        while True:
+            token, q = self._pick(logits, [seqs[i] for i in fed[-1]], len(drafts))
+            drafts.append(token)
+            qs.append(iter(q) if q is not None else None)
+            if len(drafts) == self.k:
+                break
+            at = {i: seqs[i].computed + len(drafts) - shift for i in fed[-1]}
             room = [n for n, i in enumerate(fed[-1]) if self._room(seqs[i], at[i])]
             if not room:
                 break
             keep = torch.tensor(room, device=self.device)
             live = [fed[-1][n] for n in room]
             x = x[keep] if x is not None else None
-            x, logits = self._run(x, drafts[-1][keep], [(at[i], 1, seqs[i].blocks) for i in live])
-            drafts.append(logits.argmax(-1))
+            x, logits = self._run(x, token[keep], [(at[i], 1, seqs[i].blocks) for i in live])
             fed.append(live)
         tokens = iter(torch.cat(drafts).tolist())  # (the one copy to the host)
-        for who in fed:
+        for who, q in zip(fed, qs):
             for i in who:
                 seqs[i].drafts.append(next(tokens))
-                seqs[i].draft_probs.append(None)
+                seqs[i].draft_probs.append(None if seqs[i].params.greedy else next(q))
 
     def _draw(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
-        """Drafts drawn on the host, one step at a time: as the operator's processors shape
-        them, and for sampled requests from q (kept for the acceptance test)."""
+        """Drafts as the operator's processors shape them: one step at a time, each draft on
+        the host before the next row is shaped (a processor sees the drafts before it as
+        generated tokens)."""
         for j in range(self.k):
             try:
                 with stage("speculative decoding"):
-                    rows = self.shape(logits, seqs) if self.shape is not None else logits
-                    drafts, qs = draft_tokens(rows, seqs)
-            except SequenceFault:  # (a processor failed, or left a row nothing to draw: their sampling meets it again)
+                    token, q = self._pick(self.shape(logits, seqs), seqs, 0)
+                    drafts = token.tolist()
+            except SequenceFault:  # (a processor failed: their sampling meets it again)
                 break
-            for seq, t, q in zip(seqs, drafts, qs):
+            if q is not None and bool(q.isnan().any()):  # (a sampled row left nothing to draw: the same)
+                break
+            q = iter(q) if q is not None else None
+            for seq, t in zip(seqs, drafts):
                 seq.drafts.append(t)
-                seq.draft_probs.append(q)
+                seq.draft_probs.append(None if seq.params.greedy else next(q))
             if j == self.k - 1:
                 break
             # The next draft: the drafter on the last one, at its position (the MTP layer sits

@@ -51,22 +51,27 @@ def test_greedy_outputs_equal_decoding_without_drafts(plain, k):
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
-def test_greedy_drafts_are_chained_on_the_device_and_copied_once(plain, method, monkeypatch):
-    """Greedy requests' k drafts: each the next draft step's input where it lies, all of a
-    step's copied to the host at once (speculative.Drafter._chain); drawing on the host,
-    draft by draft, is left to sampled requests and processors."""
-    import preload.worker.engine.speculative as speculative
+def test_drafts_are_chained_on_the_device_and_copied_once(plain, method, monkeypatch):
+    """Without processors, greedy and sampled requests' k drafts alike: each the next draft
+    step's input where it lies, all of a step's copied to the host at once
+    (speculative.Drafter._chain); drawing on the host, draft by draft, is left to the
+    operator's processors (`_draw`). Greedy outputs are plain decoding's; seeded sampled
+    ones repeat."""
+    from preload.worker.engine.speculative import Drafter
 
     engine = mtp(3) if method == "mtp" else replace(BASE, speculative_config=json.dumps(
         {"method": "draft_model", "model": str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft"), "num_speculative_tokens": 3}))
     llm = LLM(BUNDLED_MODEL, dtype="float32", engine=engine)
-    drawn = []
-    monkeypatch.setattr(speculative, "draft_tokens", lambda *a: drawn.append(a) or pytest.fail("drawn on the host"))
+    monkeypatch.setattr(Drafter, "_draw", lambda *a: pytest.fail("drawn on the host"))
     got = llm.generate(PROMPTS, max_tokens=30, ignore_eos=True)
     want = plain.generate(PROMPTS, max_tokens=30, ignore_eos=True)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want] and not drawn
-    s = llm.engine.stats()
-    assert 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    greedy = llm.engine.stats()
+    assert 0 < greedy.spec_accepted_tokens <= greedy.spec_draft_tokens
+    sampled = dict(max_tokens=30, temperature=0.7, top_k=20, seed=3, ignore_eos=True)
+    a, b = llm.generate(PROMPTS, **sampled), llm.generate(PROMPTS, **sampled)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    assert llm.engine.stats().spec_accepted_tokens > greedy.spec_accepted_tokens  # (sampled drafts kept too)
 
 
 def test_with_prefix_cache_hits_and_stops_mid_draft(plain):
