@@ -305,6 +305,27 @@ def readopt(model, repeat, device, json_path):
     _run(run_readopt, format_table, json_path, _model_path(model), device, repeat)
 
 
+@bench.command("sleep")
+@model_option
+@click.option("--levels", default="1,2", show_default=True, help="Comma-separated sleep levels to cycle through.")
+@click.option("--cycles", type=click.IntRange(1), default=20, show_default=True, help="Sleeps and wakes per level.")
+@click.option("--spare-workers", type=click.IntRange(0), default=1, show_default=True,
+              help="Spares beside the one worker (asleep, they go too).")
+@device_option
+@json_option("sleep")
+def sleep(model, levels, cycles, spare_workers, device, json_path):
+    """Sleep and wake: time to asleep, wake to serving, device memory freed, leaks over cycles."""
+    from preload.bench.sleep import format_table, run_sleep
+
+    try:
+        chosen = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        chosen = []
+    if not chosen or set(chosen) - {1, 2}:
+        raise click.BadParameter(f"{levels!r}: levels 1 and/or 2, comma-separated", param_hint="--levels")
+    _run(run_sleep, format_table, json_path, _model_path(model), device, chosen, cycles, spare_workers)
+
+
 @bench.command("prefix")
 @model_option
 @click.option("--system-tokens", type=click.IntRange(16), default=2048, show_default=True,
