@@ -11,19 +11,19 @@ from preload.bench.driver import preload
 
 def test_a_short_run_on_the_cpu_wakes_to_the_same_answers_and_leaks_nothing(tmp_path):
     out = tmp_path / "sleep.json"
-    r = preload("bench", "sleep", "--device", "cpu", "--cycles", "3", "--json", out, timeout=300)
+    r = preload("bench", "sleep", "--device", "cpu", "--cycles", "6", "--json", out, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(out.read_text())
-    assert [run["level"] for run in result["runs"]] == [1, 1, 1, 2, 2, 2]
+    assert [run["level"] for run in result["runs"]] == [1] * 6 + [2] * 6
     for run in result["runs"]:
         assert run["same_output"] and run["error"] is None, run
         assert 0 < run["sleep_s"] and 0 < run["wake_ready_s"] and 0 < run["wake_serving_s"] < 60, run
         assert run["after"]["processes"] == result["before"]["processes"]  # (daemon, zygote, front, core, spare...)
     for level in ("1", "2"):
         s = result["levels_summary"][level]
-        assert s["same_output"] == 3 and s["growth"]["processes"] == 0 and s["growth"]["fds"] < 2, s  # (one a cycle would be +2)
+        assert s["same_output"] == 6 and s["growth"]["processes"] == 0 and s["growth"]["fds"] <= 1, s  # (one a cycle: +2)
     assert result["levels_summary"]["2"]["freed_share_min"] is None  # (no device: nothing to free on it)
-    assert "wake to serving" in r.stdout and "3/3" in r.stdout
+    assert "wake to serving" in r.stdout and "6/6" in r.stdout
 
 
 def test_levels_other_than_1_and_2_are_refused():
