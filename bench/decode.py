@@ -293,7 +293,11 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
     first_context = cases[0][1]
     tokens = max(b * (c + output_len + 16) for b, c in cases)
     for quant, k in ((q, k) for q in quants for k in speculative):
-        kv = tokens * bytes_per_token(cfg, cfg.num_layers + 1, torch.bfloat16)  # (+1: an MTP drafter's layer)
+        # Every token's cache: the target's, and the drafter's (an MTP layer, or a draft model's
+        # layers: too small a cache preempted at batch 16 and timed the steps that followed).
+        drafter_kv = bytes_per_token(draft_cfg, draft_cfg.num_layers, torch.bfloat16) if draft_cfg else \
+            bytes_per_token(cfg, 1, torch.bfloat16)
+        kv = tokens * (bytes_per_token(cfg, cfg.num_layers, torch.bfloat16) + drafter_kv)
         method = {"method": "draft_model", "model": str(draft_model)} if draft_model else {"method": "mtp"}
         spec = json.dumps(method | {"num_speculative_tokens": k}) if k else None
         drafter = "draft-model" if draft_model else "MTP"
@@ -304,7 +308,8 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)
         label = f"{quant}, {k} {drafter} drafts" if k else quant
         result.setdefault("engine_start_s", {})[label] = time.perf_counter() - t  # load, and capture unless eager
-        run_case(llm, max(batches), 16, 4, cfg.vocab_size, seed=0)  # warm-up: every kernel variant compiled
+        for batch in batches:  # warm-up: every kernel variant compiled, each batch's graphs captured (drafted
+            run_case(llm, batch, 16, 4, cfg.vocab_size, seed=0)  # steps capture theirs at first use)
         gc.collect()
         gc.freeze()  # as a worker does once it serves (worker/serve.py)
         for batch, context in cases:

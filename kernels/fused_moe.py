@@ -192,6 +192,9 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
     if fp8_act and not fp8:
         raise ValueError("e4m3 activations need e4m3 weights")
     config = tile_config(block_m, pairs, fp8, w2 is not None, fp8_act)
+    if a.element_size() == 4:  # float32 operands: the tiles, sized for 2-byte ones, would not fit
+        # in shared memory (blocks of 128 rows asked for 294,912 bytes of an H100's 232,448).
+        config = config | {"BLOCK_K": config["BLOCK_K"] // 2}
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     scale_n, scale_k = scale_block(w)
     if scale_k % block_k:
