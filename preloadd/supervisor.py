@@ -344,10 +344,10 @@ class Supervisor:
         elif event == "warm" and not w.told:
             w.state, w.stamps["warm"] = "standby", time.time()
             if w.slot is None:
-                self.spare_pool.failures = 0
+                self.spare_pool.ready()
         elif event == "ready" and w.told and w.slot is not None:
             w.state, w.kv_cache_bytes, w.stamps["ready"] = "ready", int(msg.get("kv_cache_bytes", 0)), time.time()
-            (self.front_slots if w.role == "front" else self.slots)[w.slot].failures = 0  # out of any crash loop
+            (self.front_slots if w.role == "front" else self.slots)[w.slot].ready()
             log.info("%s ready (pid %d) %.3f s after start", w.name, w.pid, now - w.since)
 
     def _reap(self, worker: Worker) -> None:
@@ -378,7 +378,7 @@ class Supervisor:
             if worker.slot is not None and record.replacement.get("old_pid") == worker.pid:
                 record.replacement["old_reaped"] = worker.stamps["reaped"]
             return
-        delay = record.record_exit(worker, reason)
+        delay = record.record_exit(worker, reason, own=code > 0)
         if worker.slot is not None and worker.role == "core":
             record.replaced(f"exit: {reason}", worker, reaped=worker.stamps["reaped"])
         log.warning("%s (pid %d) %s; %s", worker.name, worker.pid, reason,

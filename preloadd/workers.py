@@ -131,7 +131,8 @@ class Worker:
 @dataclass
 class Slot:
     restarts: int = 0
-    failures: int = 0  # consecutive early exits
+    failures: int = 0  # consecutive early exits (0 once a worker is ready: `ready`)
+    streak: int = 0  # the early exits before the worker that is ready now
     last_exit: str | None = None
     next_start: float = 0.0  # backoff: not before this time
     replacement: dict = field(default_factory=dict)  # stage stamps of its latest replacement
@@ -165,11 +166,23 @@ class Slot:
             return "backoff"
         return "restarting" if self.last_exit else "starting"
 
-    def record_exit(self, worker: Worker, reason: str) -> float:
-        """Book a worker's unplanned exit; returns the delay before the next start."""
+    def ready(self) -> None:
+        """A worker of this slot is ready: no crash loop shows while it serves."""
+        self.streak, self.failures = self.failures, 0
+
+    def record_exit(self, worker: Worker, reason: str, own: bool = False) -> float:
+        """Book a worker's unplanned exit; returns the delay before the next start. Early
+        exits in a row back off: one before the worker was ready, or one of its own (`own`:
+        an exit status, not a signal) soon after: a worker that fails in its first idle
+        work each time loops as surely as one that never starts (a float32 model's spare
+        did, on a GPU, at 0.6 s a turn), while a ready one killed is no sign of a loop."""
         self.last_exit, self.restarts = reason, self.restarts + 1
-        early = time.monotonic() - worker.since < STABLE_AFTER and worker.state not in ("ready", "standby")
-        self.failures = self.failures + 1 if early else 0
+        young = time.monotonic() - worker.since < STABLE_AFTER
+        if young and worker.state not in ("ready", "standby"):
+            self.failures += 1
+        else:
+            self.failures = self.streak + 1 if young and own else 0
+        self.streak = 0
         delay = min(0.1 * 2 ** (self.failures - 1), MAX_BACKOFF) if self.failures > 1 else 0.0
         self.next_start = time.monotonic() + delay
         return delay
