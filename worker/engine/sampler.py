@@ -3,9 +3,10 @@ for the whole batch at once.
 
 `sample_batch` is what the engine runs (and `sample_rows`, its draws, the drafter's): a
 handful of tensor operations over the batch's log-probs, wherever they are (the GPU, or
-the CPU). Sampling draws one exponential variate per token and takes argmax(p / E): that picks token i with probability p_i,
-like a multinomial draw, without a cumulative sum or a host round trip. Rows with a
-seed draw from their own generator, the others from the device's.
+the CPU). Sampling draws one exponential variate per token and takes argmax(p / E): that
+picks token i with probability p_i, like a multinomial draw, without a cumulative sum or
+a host round trip. Rows with a seed draw from their own generator, the others from the
+device's.
 
 `sample` is the one-row reference: the engine falls back to it, row by row, when a
 batch fails, so that the one request at fault fails alone; tests hold the batch to it.
