@@ -269,23 +269,17 @@ class Drafter:
         while True:
             token, q = self._pick(logits, [seqs[i] for i in fed[-1]], len(drafts))
             drafts.append(token)
-            qs.append(iter(q) if q is not None else None)
+            qs.append(q)
             if len(drafts) == self.k:
                 break
-            at = {i: seqs[i].computed + len(drafts) - shift for i in fed[-1]}
-            room = [n for n, i in enumerate(fed[-1]) if self._room(seqs[i], at[i])]
-            if not room:
+            step = self._next([seqs[i] for i in fed[-1]], len(drafts) - 1, shift, x, token)
+            if step is None:
                 break
-            keep = torch.tensor(room, device=self.device)
-            live = [fed[-1][n] for n in room]
-            x = x[keep] if x is not None else None
-            x, logits = self._run(x, token[keep], [(at[i], 1, seqs[i].blocks) for i in live])
-            fed.append(live)
+            room, x, logits = step
+            fed.append([fed[-1][n] for n in room])
         tokens = iter(torch.cat(drafts).tolist())  # (the one copy to the host)
         for who, q in zip(fed, qs):
-            for i in who:
-                seqs[i].drafts.append(next(tokens))
-                seqs[i].draft_probs.append(None if seqs[i].params.greedy else next(q))
+            self._add([seqs[i] for i in who], [next(tokens) for _ in who], q)
 
     def _draw(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
         """Drafts as the operator's processors shape them: one step at a time, each draft on
@@ -300,21 +294,37 @@ class Drafter:
                 break
             if q is not None and bool(q.isnan().any()):  # (a sampled row left nothing to draw: the same)
                 break
-            q = iter(q) if q is not None else None
-            for seq, t in zip(seqs, drafts):
-                seq.drafts.append(t)
-                seq.draft_probs.append(None if seq.params.greedy else next(q))
+            self._add(seqs, drafts, q)
             if j == self.k - 1:
                 break
-            # The next draft: the drafter on the last one, at its position (the MTP layer sits
-            # one position behind the token it predicts from, and chains on its own output).
-            at = [seq.computed + j + 1 - shift for seq in seqs]
-            room = [i for i, (seq, pos) in enumerate(zip(seqs, at)) if self._room(seq, pos)]
-            if not room:
+            step = self._next(seqs, j, shift, x, drafts)
+            if step is None:
                 break
-            seqs, at = [seqs[i] for i in room], [at[i] for i in room]
-            x = x[torch.tensor(room, device=self.device)] if x is not None else None
-            x, logits = self._run(x, [s.drafts[-1] for s in seqs], [(pos, 1, s.blocks) for s, pos in zip(seqs, at)])
+            room, x, logits = step
+            seqs = [seqs[n] for n in room]
+
+    def _next(self, seqs: list[Sequence], j: int, shift: int, x: torch.Tensor | None, tokens: list[int] | torch.Tensor):
+        """The drafter on draft j of `seqs` (`tokens`, on the host or the device), at its
+        position (the MTP layer sits one position behind the token it predicts from, and
+        chains on its own output, `x`), for those with a cache slot there: (their indices in
+        `seqs`, hidden states, logits), or None if none has one."""
+        at = [seq.computed + j + 1 - shift for seq in seqs]
+        room = [n for n, (seq, pos) in enumerate(zip(seqs, at)) if self._room(seq, pos)]
+        if not room:
+            return None
+        keep = torch.tensor(room, device=self.device)
+        x = x[keep] if x is not None else None
+        tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
+        return (room, *self._run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room]))
+
+    @staticmethod
+    def _add(seqs: list[Sequence], tokens: list[int], q: torch.Tensor | None) -> None:
+        """One more draft for each of `seqs`: its token, and for a sampled one its row of q
+        (the sampled rows' distributions, in order)."""
+        rows = iter(q) if q is not None else None
+        for seq, t in zip(seqs, tokens):
+            seq.drafts.append(t)
+            seq.draft_probs.append(None if seq.params.greedy else next(rows))
 
     def _room(self, seq: Sequence, position: int) -> bool:
         """Whether `seq` has (or can get) a cache slot at `position`."""
