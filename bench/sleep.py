@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from preload.bench.checkpoint import weight_bytes
-from preload.bench.driver import daemon_processes, free_port, start_daemon, stop_everything, wait_for
+from preload.bench.driver import daemon_processes, free_port, start_daemon, stop_everything
 from preload.bench.gpu import Gpu
 from preload.bench.results import begin, finish, quantiles, row, sec
 from preload.ipc.client import DaemonClient
@@ -74,24 +74,25 @@ def ask(state_dir: Path, until, **request) -> tuple[float, dict]:
         reply = client.request(**request)
         if reply.get("ok") is False:
             raise RuntimeError(f"{request}: {reply.get('error')}")
-        while not until(s := client.request("status")["status"]):
-            if time.perf_counter() - t > STEP_TIMEOUT:
-                raise TimeoutError(f"{request}: not done within {STEP_TIMEOUT:.0f} s (state {s['state']})")
-            time.sleep(0.005)
+        s = polled(client, until, t, str(request))
         return time.perf_counter() - t, s
 
 
 def standby(state_dir: Path, spares: int) -> float:
     """Seconds until every spare stands by (0 when there are none)."""
-    t = time.perf_counter()
+    with DaemonClient(state_dir, timeout=10) as client:
+        t = time.perf_counter()
+        polled(client, lambda s: [w["state"] for w in s["spares"]] == ["standby"] * spares, t, "the spares' standby")
+        return time.perf_counter() - t
 
-    def ready() -> bool:
-        with DaemonClient(state_dir, timeout=10) as client:
-            s = client.request("status")["status"]
-        return [w["state"] for w in s["spares"]] == ["standby"] * spares
-    if spares and not wait_for(ready, timeout=STEP_TIMEOUT, interval=0.02):
-        raise TimeoutError(f"the spares did not stand by within {STEP_TIMEOUT:.0f} s")
-    return time.perf_counter() - t
+
+def polled(client: DaemonClient, until, since: float, what: str) -> dict:
+    """The daemon's status once `until(status)`; TimeoutError STEP_TIMEOUT after `since`."""
+    while not until(s := client.request("status")["status"]):
+        if time.perf_counter() - since > STEP_TIMEOUT:
+            raise TimeoutError(f"{what}: not done within {STEP_TIMEOUT:.0f} s (state {s['state']})")
+        time.sleep(0.005)
+    return s
 
 
 def cycle(state_dir: Path, api_port: int, level: int, spares: int, gpu: Gpu | None) -> dict:
