@@ -38,6 +38,7 @@ import httpx
 from preload.bench.driver import Daemon, free_port, running_daemon, wait_for
 from preload.bench.gpu import Gpu
 from preload.bench.results import begin, finish, quantiles, row
+from preload.bench.serve import scrape
 
 PROMPTS = 16
 VOCAB_SAFE = 1000  # prompt ids drawn below this: inside any of our models' vocabularies
@@ -156,8 +157,17 @@ async def run_case(d: Daemon, clients: int, kills: int, max_tokens: int, spares:
         await asyncio.sleep(0.5)
         stop = True
         await asyncio.gather(*tasks)
+        drafts = await draft_counts(client)
     return figures(outcomes, want, killed_at) | {"clients": clients, "kills": kills, "max_tokens": max_tokens,
-                                                 "takeover_s": quantiles(takeover, (50, 90))}
+                                                 "takeover_s": quantiles(takeover, (50, 90))} | drafts
+
+
+async def draft_counts(client: httpx.AsyncClient) -> dict:
+    """The draft tokens made and accepted so far, by the worker's /metrics (its front's
+    counters: they outlive the cores killed)."""
+    samples = {s.name: s.value for s in await scrape(client)}
+    return {"draft_tokens": samples.get("preload_spec_decode_num_draft_tokens_total", 0.0),
+            "accepted_tokens": samples.get("preload_spec_decode_num_accepted_tokens_total", 0.0)}
 
 
 def figures(outcomes: list[Outcome], want: list[str], killed_at: list[float]) -> dict:
@@ -212,6 +222,8 @@ def format_table(result: dict) -> str:
                           f"{r.get('differ_met_no_kill', '-')} of {r.get('met_no_kill', '-')}", r["streams"],
                           f"{a.get('p50', float('nan')):.3f}", f"{a.get('p90', float('nan')):.3f}",
                           f"{t.get('p50', float('nan')):.3f}"), widths))
+        if result.get("speculative_tokens") and "draft_tokens" in r:
+            lines.append(f"  {r['clients']} clients: {r['draft_tokens']:.0f} tokens drafted, {r['accepted_tokens']:.0f} accepted")
         if r["errors"]:
             lines.append(f"  errors: {r['errors']}")
     return "\n".join(lines)

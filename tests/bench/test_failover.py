@@ -1,10 +1,13 @@
 """`preload bench failover`: its figures read as the bench's docstring says (which requests
 count as met by no kill, the pause a stream saw across a kill), and a short real run on
-the CPU: every request answered, each the uninterrupted output, each kill's takeover timed."""
+the CPU, with and without MTP drafts: every request answered, each the uninterrupted output,
+each kill's takeover timed."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from preload.bench.driver import preload
 from preload.bench.failover import Outcome, figures
@@ -34,12 +37,16 @@ def test_the_pause_is_the_longest_gap_spanning_a_kill_less_the_median_gap():
     assert abs(f["added_latency_s"]["p50"] - 0.9) < 1e-9 and f["kills_seen_by_a_stream"] == 1
 
 
-def test_a_short_run_on_the_cpu_loses_nothing(tmp_path):
+@pytest.mark.parametrize("drafts", [0, 2], ids=["plain", "mtp drafts"])
+def test_a_short_run_on_the_cpu_loses_nothing(tmp_path, drafts):
+    """With MTP drafts the kills land mid-drafting too: the replacement resumes from the
+    tokens emitted, never from drafts not yet verified."""
     r = preload("bench", "failover", "--device", "cpu", "--clients", "2", "--kills", "2", "--max-tokens", "8",
-                "--json", tmp_path / "fo.json", timeout=300)
+                "--speculative-tokens", str(drafts), "--json", tmp_path / "fo.json", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     [run] = json.loads((tmp_path / "fo.json").read_text())["runs"]
     assert (run["failed"], run["outputs_differ"], run["differ_met_no_kill"]) == (0, 0, 0)
     assert run["met_no_kill"] >= 4  # two answers from each client before the first kill
     assert run["takeover_s"]["n"] == 2 and 0 < run["takeover_s"]["p50"] < 60
+    assert (run["draft_tokens"] > 0) == (drafts > 0) and 0 <= run["accepted_tokens"] <= run["draft_tokens"]
     assert "takeover p50" in r.stdout
