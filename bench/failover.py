@@ -122,6 +122,7 @@ async def run_case(d: Daemon, clients: int, kills: int, max_tokens: int, spares:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{d.api_port}", timeout=120, limits=limits) as client:
         want = [o.text for o in await asyncio.gather(*(complete(client, p, i, max_tokens, False)
                                                        for i, p in enumerate(prompts)))]
+        drafted_before = await draft_counts(client)
         outcomes: list[Outcome] = []
         answers = [0] * clients  # each client's, so far
         stop = False
@@ -157,17 +158,17 @@ async def run_case(d: Daemon, clients: int, kills: int, max_tokens: int, spares:
         await asyncio.sleep(0.5)
         stop = True
         await asyncio.gather(*tasks)
-        drafts = await draft_counts(client)
+        drafts = {k: v - drafted_before[k] for k, v in (await draft_counts(client)).items()}
     return figures(outcomes, want, killed_at) | {"clients": clients, "kills": kills, "max_tokens": max_tokens,
                                                  "takeover_s": quantiles(takeover, (50, 90))} | drafts
 
 
-async def draft_counts(client: httpx.AsyncClient) -> dict:
+async def draft_counts(client: httpx.AsyncClient) -> dict[str, float]:
     """The draft tokens made and accepted so far, by the worker's /metrics (its front's
     counters: they outlive the cores killed)."""
-    samples = {s.name: s.value for s in await scrape(client)}
-    return {"draft_tokens": samples.get("preload_spec_decode_num_draft_tokens_total", 0.0),
-            "accepted_tokens": samples.get("preload_spec_decode_num_accepted_tokens_total", 0.0)}
+    samples = await scrape(client)
+    return {f"{name}_tokens": sum(s.value for s in samples if s.name == f"preload_spec_decode_num_{name}_tokens_total")
+            for name in ("draft", "accepted")}
 
 
 def figures(outcomes: list[Outcome], want: list[str], killed_at: list[float]) -> dict:
