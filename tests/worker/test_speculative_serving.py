@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,7 @@ def answers():
     plain = LLM(BUNDLED_MODEL, dtype="float32", engine=OPTIONS).generate(PROMPTS, max_tokens=TOKENS, ignore_eos=True)
     banned = sorted({t for a in plain for t in a.token_ids[2:5]})
     processor = f'{BAN}={{"token_ids": {banned}}}'
-    alone = LLM(BUNDLED_MODEL, dtype="float32", engine=EngineOptions(kv_cache_memory=64 << 20,
-                                                                     logits_processors=(processor,)))
+    alone = LLM(BUNDLED_MODEL, dtype="float32", engine=replace(OPTIONS, logits_processors=(processor,)))
     with_ban = alone.generate(PROMPTS, max_tokens=TOKENS, ignore_eos=True)
     assert [a.token_ids for a in with_ban] != [a.token_ids for a in plain]  # the ban changes the answers
     assert not any(set(a.token_ids) & set(banned) for a in with_ban)
