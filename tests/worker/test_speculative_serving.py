@@ -9,14 +9,13 @@ the ones accepted."""
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from daemons import running_daemon
-from workers import greedy, ok, running_workers, sse_data
+from daemons import metrics, running_daemon, total
+from workers import greedy, joined, ok, running_workers, stream_chunks
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
@@ -73,19 +72,13 @@ def test_requests_that_cannot_draft_share_the_steps_and_give_the_same_answers(an
 
 
 def test_a_drafted_stream_is_the_whole_answer_once(answers, workers):
-    r = workers["drafting"].post("/v1/completions", greedy(PROMPTS[2], TOKENS, stream=True))
-    assert r.status_code == 200, r.text
-    chunks = [json.loads(c) for c in sse_data(r.text) if c != "[DONE]"]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == answers["texts"][2]
+    chunks = stream_chunks(workers["drafting"].post("/v1/completions", greedy(PROMPTS[2], TOKENS, stream=True)))
+    assert joined(chunks) == ([answers["texts"][2]], ["length"])
 
 
 def test_metrics_count_the_drafts_and_those_accepted(workers):
     text(workers["drafting"], PROMPTS[0])
-    page = workers["drafting"].get("/metrics").text
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^preload_spec_decode_num_{name}_tokens_total(?:{{[^}}]*}})? (\S+)$",
-                                                page, re.M))
-
-    drafts, accepted = total("draft"), total("accepted")
+    m = metrics(workers["drafting"].get("/metrics").text)
+    drafts = total(m, "preload_spec_decode_num_draft_tokens_total")
+    accepted = total(m, "preload_spec_decode_num_accepted_tokens_total")
     assert drafts > 0 and 0 < accepted <= drafts  # the bundled model's MTP layer is trained: right often
