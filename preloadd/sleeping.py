@@ -35,14 +35,12 @@ def fall_asleep(sup: Supervisor, level: int) -> None:
     for w in list(sup.workers.values()):
         if w.role == "front":
             tell(w, sleep_message(level))
-        elif w.slot is None:
-            if not w.retiring:
-                sup.retire_spare(w)
-        else:  # (a slot's core, or an old one still draining from a restart: each holds memory)
-            if w.holds(w.slot):
+        else:  # (a slot's core, an old one still draining from a restart, or a spare: each holds memory)
+            if w.slot is not None and w.holds(w.slot):
                 sup.slots[w.slot].replaced("sleep", w)
             w.retiring = True
-            w.kill("sleep")
+            w.kill("sleep")  # (a spare too: one told by EOF exits only once warm, and then slowly: on an H100
+            # with V2-Lite it still ran 5 s later, when its silence had it killed as hung)
     for info in sup.slots:
         info.drop_kv()
     log.info("asleep (level %d): every engine core and spare let go", level)
@@ -101,6 +99,7 @@ class Sleeper:
         self.stashes: list = []  # level 1 on a GPU: (host copy, manifest) of each copy of the weights
         self.error: str | None = None  # what went wrong in the last sleep or wake (the weights stayed, or are not back)
         self.failed_wakes = 0  # wakes that left it asleep (`preload wake` says so, and can try again)
+        self._letting_go: threading.Thread | None = None  # the last wake's host copies, freed meanwhile
         self._asked: queue.SimpleQueue = queue.SimpleQueue()
         self.poke = threading.Event()  # the main thread's wake-up
 
@@ -181,6 +180,8 @@ class Sleeper:
         device: said, and the sleep frees the cores' memory alone)."""
         from preload.ipc import host_stash
 
+        if self._letting_go is not None:
+            self._letting_go.join()  # (the last wake's host memory, before this sleep counts what is free)
         t0, need, room = time.monotonic(), sum(copy.arena.size for copy in self.d.copies), host_stash.host_room()
         try:
             if need > room * HOST_SHARE:
@@ -192,8 +193,9 @@ class Sleeper:
             self.error = f"the weights could not be copied to host memory ({e}): they stay on the device"
             self._drop_stashes()
             return
-        log.info("sleep level 1: %d bytes of weights copied to host memory in %.2f s",
-                 sum(s.info.size for s, _ in self.stashes), time.monotonic() - t0)
+        log.info("sleep level 1: %d bytes of weights copied to host memory in %.2f s (%s)",
+                 sum(s.info.size for s, _ in self.stashes), time.monotonic() - t0,
+                 "; ".join(s.unpinned or "page-locked" for s, _ in self.stashes))
 
     def _from_host(self) -> None:
         """The weights put back on the device from host memory, the same bytes (no load)."""
@@ -207,17 +209,27 @@ class Sleeper:
             for held, manifest in self.stashes:
                 arena = host_stash.restore(held)
                 copies.append(Loaded(arena, replace(manifest, arena=arena.info())))
+            t1 = time.monotonic()
             self.d.load_again(copies)
         except BaseException:  # (the host copies stay, for the next wake)
             for copy in copies:
                 copy.arena.close()
             self.d.copies = []
             raise
-        self._drop_stashes()
-        log.info("wake: %d bytes of weights back on the device in %.2f s", sum(c.arena.size for c in copies),
-                 time.monotonic() - t0)
+        log.info("wake: %d bytes of weights back on the device in %.2f s (copied in %.2f s, the keeper given them in"
+                 " %.2f s)", sum(c.arena.size for c in copies), time.monotonic() - t0, t1 - t0, time.monotonic() - t1)
+        stashes, self.stashes = self.stashes, []
+        self._letting_go = threading.Thread(target=drop, args=(stashes,), name="stash-let-go", daemon=True)
+        self._letting_go.start()  # (unpinning and freeing 29 GiB of pages is not the wake's to wait for: on an H100
+        # the wake took 5.5 s with it, of which the copy alone is 0.6 s (.devrun's probe); the log says its share)
 
     def _drop_stashes(self) -> None:
-        for held, _ in self.stashes:
-            held.close()
+        drop(self.stashes)
         self.stashes = []
+
+
+def drop(stashes: list) -> None:
+    t0 = time.monotonic()
+    for held, _ in stashes:
+        held.close()
+    log.info("sleep level 1: the host copies of the weights let go in %.2f s", time.monotonic() - t0)

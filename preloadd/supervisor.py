@@ -375,6 +375,7 @@ class Supervisor:
             record = self.spare_pool if worker.slot is None else self.slots[worker.slot]
         if worker.retiring:
             record.last_exit = reason
+            log.info("%s (pid %d) %s", worker.name, worker.pid, reason)
             if worker.slot is not None and record.replacement.get("old_pid") == worker.pid:
                 record.replacement["old_reaped"] = worker.stamps["reaped"]
             return

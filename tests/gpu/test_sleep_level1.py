@@ -1,5 +1,6 @@
 """Sleep level 1 on a GPU (issue 37): the weights go to host memory and the device memory
-the daemon and its workers held is freed (another process can allocate it), the wake puts
+the daemon and its workers held is freed but for the daemon's own CUDA context (another
+process can allocate it; on a V2-Lite-sized model that is 99% of it), the wake puts
 the same bytes back (the same fingerprint, no load) and serves the same greedy output; the
 daemon killed meanwhile, nothing is left on the device; cycles leak no device memory."""
 
@@ -15,6 +16,7 @@ from preload.ipc.devices import memory_info
 pytestmark = pytest.mark.gpu
 
 ALLOCATE = "import sys, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0'); print('ok')"
+CONTEXT = "from preload.ipc.devices import make_current; make_current(0); print('ok', flush=True); input()"
 
 
 def used() -> int:
@@ -26,7 +28,21 @@ def text(port: int) -> str:
     return complete(port, max_tokens=16)["choices"][0]["text"]
 
 
+def a_context() -> int:
+    """The device memory a process holding a CUDA context as the daemon does (the driver's
+    primary context, no allocation) costs: ~524 MiB on an H100."""
+    before = used()
+    p = subprocess.Popen([sys.executable, "-c", CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        return used() - before
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_level_1_frees_the_device_and_the_wake_serves_the_same_bytes(model_dir, tmp_path):
+    context = a_context()
     baseline = used()
     port = free_port()
     args = (*start_args(port, 1, "--spare-workers", 1), "--device", "cuda:0", "--gpu-memory-utilization", "0.5")
@@ -39,8 +55,8 @@ def test_level_1_frees_the_device_and_the_wake_serves_the_same_bytes(model_dir, 
             r = preload("sleep", "--state-dir", d.state_dir, "--level", "1", timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
             assert d.status()["sleep"]["host_bytes"] == arena  # (the weights, in host memory now)
-            freed = held - (used() - baseline)
-            assert freed >= 0.97 * held, (cycle, freed, held)
+            left = used() - baseline  # (the daemon keeps its context, as vLLM's engine keeps its own)
+            assert left <= context + (64 << 20), (cycle, left, context, held)
             got = subprocess.run([sys.executable, "-c", ALLOCATE, str(int(0.9 * held))], capture_output=True, text=True,
                                  timeout=120)
             assert got.stdout.strip() == "ok", got.stderr[-2000:]
@@ -51,9 +67,10 @@ def test_level_1_frees_the_device_and_the_wake_serves_the_same_bytes(model_dir, 
         assert used() - baseline <= held * 1.03  # (three cycles: nothing left behind on the device)
 
 
-def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte():
-    """ipc/host_stash.py alone: a sealed cuda-vmm arena copied to host memory, its device
-    memory freed (no holder left), then a new arena of the same bytes."""
+def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte(monkeypatch):
+    """ipc/host_stash.py alone: a sealed cuda-vmm arena copied to host memory (in chunks,
+    each page-locked, the last one short), its device memory freed (no holder left), then a
+    new arena of the same bytes."""
     import os
 
     import torch
@@ -63,13 +80,14 @@ def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte():
     from preload.ipc.layout import TensorEntry
 
     size = 64 << 20
+    monkeypatch.setattr(host_stash, "CHUNK", 24 << 20)
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     arena = VmmArena(size, "cuda:0")
     entry = TensorEntry("all", "uint8", (arena.size,), 0, arena.size)
     arena.write_part(entry, 0, memoryview(data.numpy()))
     arena.seal()
     held = host_stash.stash(arena.info(), arena.fd)
-    assert held.pinned
+    assert held.pinned and sorted(held.registered) == [0, 24 << 20, 48 << 20], (held.registered, held.unpinned)
     free_before = memory_info("cuda:0")[0]
     arena.close()  # (the last holder: the device memory goes)
     assert wait_for(lambda: memory_info("cuda:0")[0] >= free_before + size, timeout=5)

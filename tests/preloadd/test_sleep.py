@@ -53,9 +53,12 @@ def test_asleep_no_core_runs_requests_wait_and_the_wake_answers_them_as_before(t
         assert wait_for(lambda: len(cores(d)) == 2, timeout=60)  # (the worker and its spare)
         old_cores, old_fronts = cores(d), fronts(d)
 
+        spare = d.status()["spares"][0]["pid"]
         said = sleep(d)
         assert "asleep (level 1)" in said and "GiB of weights held in host memory" in said, said
         assert all(dead(pid) for pid in old_cores), "a core or spare outlived the sleep"
+        log = (d.state_dir / "daemon.log").read_text()
+        assert f"spare (pid {spare}) killed by SIGKILL (sleep)" in log, log[-3000:]  # (not left to exit on EOF)
         assert cores(d) == set() and fronts(d) == old_fronts  # (the fronts hold the clients)
         health = d.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "sleeping"
