@@ -73,3 +73,28 @@ def test_a_daemon_whose_cache_holds_only_the_list_compiles_it_beside_the_load(tm
     said = "".join(p.read_text() for p in (tmp_path / "state").glob("*.log"))
     assert "kernels compiled ahead in" in said and "not all" not in said, said[-3000:]
     assert list(cache.glob("preload-compiled-*"))
+
+
+PROMPTS_OF = """
+import sys
+from preload import BUNDLED_MODEL, LLM
+llm = LLM(BUNDLED_MODEL, device="cuda")
+for n in map(int, sys.argv[1:]):
+    llm.generate([list(range(2, 2 + n))], max_tokens=4)
+"""
+
+
+def test_a_prompt_of_a_new_length_compiles_nothing_a_first_one_did_not(tmp_path):
+    """Prompts of 40-64 tokens all replay the same bucket of prompt graphs; only attention
+    runs eagerly, over the prompt's own length. A kernel specialized on such a length
+    (Triton compiles a variant per integer argument's divisibility by 16) would compile
+    again while serving, mid-step: on an H100 a fresh host's first prompt steps of
+    workload B took 158 ms against 33 once its cache was full. One process serves a
+    48-token prompt; another, on the same cache, prompts of 47, 63 and 40 tokens (with or
+    without a BOS token, both alignments among them): nothing new is compiled."""
+    cache = tmp_path / "cache"
+    run(["-c", PROMPTS_OF, "48"], cache)
+    seen = kernels_in(cache)
+    run(["-c", PROMPTS_OF, "47", "63", "40"], cache)
+    new = kernels_in(cache) - seen
+    assert not new, sorted(p.name for p in cache.glob("*/*.cubin") if p.parent.name in new)
