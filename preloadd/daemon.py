@@ -188,6 +188,12 @@ class Daemon:
         self.copies = []
         log.info("weights let go")
 
+    def spawn_keeper(self) -> None:
+        """Our keeper, its interpreter started now, beside a load or a wake's copy: given the
+        weights once they are resident (_keep), it is not a wait between those and ready."""
+        if self._keeps() and self.keeper is None:
+            self.keeper = KeeperLink.spawn(self.opts.state_dir)
+
     def load_again(self, copies: list[Loaded] | None = None) -> None:
         """A wake: the weights put back (`copies`, from host memory: sleep level 1 on a GPU)
         or loaded as at a start (level 2); the keeper given them."""
@@ -264,8 +270,8 @@ class Daemon:
                 self.supervisor = Supervisor(o, serve, r.spares, api, self.room_for, self.early_zygote, r.device != "cpu",
                                              len(r.devices))
                 self.supervisor.prepare()  # the zygote imports while we load
-            if kept is None and self._keeps():  # our own keeper: its interpreter starts beside the load
-                self.keeper = KeeperLink.spawn(o.state_dir)
+            if kept is None:
+                self.spawn_keeper()
             self._load(notify, kept, copying)
             if self.keeper is not None and self._keeper_stale:
                 self.keeper.release()  # it holds an API socket we no longer serve; ours hold the weights

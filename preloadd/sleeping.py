@@ -153,6 +153,7 @@ class Sleeper:
         d = self.d
         d.state, self.asleep, self.error = "waking", False, None
         t0 = time.monotonic()
+        d.spawn_keeper()
         try:
             if self.stashes:
                 self._from_host()
