@@ -79,8 +79,8 @@ PROMPTS_OF = """
 import sys
 from preload import BUNDLED_MODEL, LLM
 llm = LLM(BUNDLED_MODEL, device="cuda")
-for n in map(int, sys.argv[1:]):
-    llm.generate([list(range(2, 2 + n))], max_tokens=4)
+for i, n in enumerate(map(int, sys.argv[1:])):  # (no two share a first token: no prefix of one is cached for the next)
+    llm.generate([[2 + (101 * i + j) % 1500 for j in range(n)]], max_tokens=4)
 """
 
 
@@ -88,8 +88,8 @@ def test_a_prompt_of_a_new_length_compiles_nothing_a_first_one_did_not(tmp_path)
     """Prompts of 40-64 tokens all replay the same bucket of prompt graphs; only attention
     runs eagerly, over the prompt's own length. A kernel specialized on such a length
     (Triton compiles a variant per integer argument's divisibility by 16) would compile
-    again while serving, mid-step: on an H100 a fresh host's first prompt steps of
-    workload B took 158 ms against 33 once its cache was full. One process serves a
+    again while serving, mid-step (on an H100 a fresh host's first prompt steps of workload
+    B took 158 ms, 33 once its cache was full: such compiles, likely). One process serves a
     48-token prompt; another, on the same cache, prompts of 47, 63 and 40 tokens (with or
     without a BOS token, both alignments among them): nothing new is compiled."""
     cache = tmp_path / "cache"
