@@ -18,6 +18,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under `make test`'s pytest-xdist workers, each one's torch gets its share of the CPUs: two
+# workers of two threads each on two cores slowed the in-process engine tests many times
+# over when both ran one (a speculative-decoding test 152 s; the suite 18:15, serially
+# 14:31), as OpenMP threads do when they outnumber the cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
