@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Two pytest workers: the tests wait on the processes they start about half the time, so
-# on a 2-core machine like CI's the suite took 11.5 minutes, not 14.5-16 (serial: `.venv/bin/pytest`).
+# on a 2-core machine like CI's the suite took 10.5 minutes, not 14.5-16 (serial: `.venv/bin/pytest`).
 test: venv
 	$(BIN)/pytest -q -n 2
 
