@@ -228,6 +228,11 @@ async def scrape(client: httpx.AsyncClient) -> list:
     return [sample for family in text_string_to_metric_families(r.text) for sample in family.samples]
 
 
+def summed(samples: list, name: str) -> float:
+    """A series' value summed over its label sets (workers, kinds): 0 where absent."""
+    return sum(sample.value for sample in samples if sample.name == name)
+
+
 async def engine_steps(client: httpx.AsyncClient) -> dict[str, float] | None:
     """The worker's engine step totals now (summed over its workers), or None where its
     /metrics has none."""
@@ -247,7 +252,7 @@ async def wait_for_graphs(client: httpx.AsyncClient, progress=lambda msg: None, 
     run begun earlier would time a fresh worker's captures, not its serving. The seconds
     waited; RuntimeError past `timeout`."""
     t0, told = time.perf_counter(), False
-    while (pending := sum(x.value for x in await scrape(client) if x.name == GRAPHS_PENDING)) > 0:
+    while (pending := summed(await scrape(client), GRAPHS_PENDING)) > 0:
         if time.perf_counter() - t0 > timeout:
             raise RuntimeError(f"the workers still had {pending:.0f} CUDA graph bucket(s) to capture after {timeout:.0f} s")
         if not told:

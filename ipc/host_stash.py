@@ -9,9 +9,9 @@ GiB/s on an H100 host, rather than through the driver's staging buffers at ~6). 
 copied a chunk at a time: threads fault the next chunks' pages in (zeroed by the kernel:
 the slow part) while a chunk is registered and copied. On an H100 host, V2-Lite's 29 GiB:
 6.3 s, against 11.2 s with one registration of the whole faulting them in, and 0.6 s back
-either way (scripts/probe_host_stash.py). What comes back is the same bytes in a new allocation on the same device: the
-manifest's layout and fingerprint stand, only its arena's handle is new. Driver API only:
-the daemon never needs torch for this.
+either way (scripts/probe_host_stash.py). What comes back is the same bytes in a new
+allocation on the same device: the manifest's layout and fingerprint stand, only its
+arena's handle is new. Driver API only: the daemon never needs torch for this.
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ class HostStash:
         os.close(self.fd)
 
 
+_libc = ctypes.CDLL(None)
+
+
 def _populate(address: int, n: int) -> None:
     """Fault in [address, address + n) (ctypes lets go of the GIL meanwhile); where the
     kernel lacks MADV_POPULATE_WRITE, registering the chunk faults its pages in instead."""
     _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def host_room() -> int:
@@ -127,9 +127,10 @@ def stash(info: ArenaInfo, fd: int) -> HostStash:
         try:
             ptr = _map(handle.value, info.size, info.device, CU_MEM_ACCESS_FLAGS_PROT_READ)
             try:
+                chunks = held.chunks()
                 with ThreadPoolExecutor(POPULATE_THREADS, thread_name_prefix="stash-populate") as pool:
-                    faulted = [pool.submit(_populate, held.address + at, n) for at, n in held.chunks()]
-                    for (at, n), done in zip(held.chunks(), faulted):
+                    faulted = [pool.submit(_populate, held.address + at, n) for at, n in chunks]
+                    for (at, n), done in zip(chunks, faulted):
                         done.result()
                         held.pin(at, n)
                         _check(cu.cuMemcpyDtoH_v2(ctypes.c_void_p(held.address + at), ctypes.c_uint64(ptr + at),

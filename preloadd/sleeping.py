@@ -222,7 +222,7 @@ class Sleeper:
         stashes, self.stashes = self.stashes, []
         self._letting_go = threading.Thread(target=drop, args=(stashes,), name="stash-let-go", daemon=True)
         self._letting_go.start()  # (unpinning and freeing 29 GiB of pages is not the wake's to wait for: on an H100
-        # the wake took 5.5 s with it, of which the copy alone is 0.6 s (.devrun's probe); the log says its share)
+        # the wake took 5.5 s with it, of which the copy is 0.6 s (scripts/probe_host_stash.py); the log says its share)
 
     def _drop_stashes(self) -> None:
         drop(self.stashes)
