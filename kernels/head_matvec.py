@@ -21,7 +21,10 @@ from preload.kernels.triton_dot import dot_dtype
 ROWS = 16  # sequences up to which this kernel serves (its tile's rows); cuBLAS, more
 
 
-@triton.jit
+# B, a step's rows, is not specialized (Triton would compile one variant for 1 row, one for
+# 16 and one for the rest): the eager steps of serving meet every count, and a variant first
+# met mid-step is compiled then, for seconds.
+@triton.jit(do_not_specialize=["B"])
 def _head_matvec(x_ptr, w_ptr, out_ptr, B, N, K, stride_xb, stride_xh, stride_wh, stride_wn, stride_wk,
                  stride_ob, stride_oh, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):

@@ -49,7 +49,11 @@ def _split_len(ctx, splits, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.maximum(tl.cdiv(ctx, splits), MIN_SPLIT), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# What changes from one eager step to the next is not specialized: the table's and the
+# lengths' addresses (AttentionMeta packs them behind the batch's other numbers, so their
+# alignment follows the batch size), the table's width, the split count (1 or not). Each
+# would be a variant compiled when first met, mid-step; they only index scalar loads.
+@triton.jit(do_not_specialize=["table_ptr", "lens_ptr", "stride_tb"])
 def _mla_decode_split(
     q_lat_ptr, q_pe_ptr, ptrs_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
     heads, scale,
@@ -103,7 +107,7 @@ def _mla_decode_split(
     tl.store(lse_ptr + (b * heads + h) * tl.num_programs(2) + split, m + tl.log(l), mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lens_ptr", "splits"])
 def _mla_decode_combine(parts_ptr, lse_ptr, lens_ptr, out_ptr, heads, splits,
                         stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                         SPLITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -181,3 +185,17 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
         BLOCK_N=bn, num_warps=1,
     )
     return out
+
+
+def launch_shapes(heads: int, max_batch: int) -> list[tuple[int, int]]:
+    """(batch, max_context) pairs that between them launch every variant of the two kernels
+    mla_decode_latent may compile for up to `max_batch` rows: their constexprs follow the
+    batch (block_n) and the split count (SPLITS, and combine_tile from it, a power of two),
+    which stops growing at MAX_SPLITS x MIN_SPLIT tokens of context; the smallest batch for
+    each (Engine warms them while idle: attention_warmup.py)."""
+    shapes: dict[tuple[int, int], tuple[int, int]] = {}
+    for batch in range(1, max_batch + 1):
+        for context in (MIN_SPLIT << k for k in range(MAX_SPLITS.bit_length())):
+            key = (block_n(batch), triton.next_power_of_2(splits_for(batch, heads, context)))
+            shapes.setdefault(key, (batch, context))
+    return sorted(shapes.values())

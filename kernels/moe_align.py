@@ -40,7 +40,7 @@ GROUP = 32  # blocks of rows a program labels and pads: a GROUP x E tile
 HIST = 1024  # ids a program histograms at a time
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs", "num_blocks"])  # (counts, which change with each step's tokens)
 def _align(
     ids_ptr, sorted_ptr, block_expert_ptr, padded_rows_ptr,
     pairs, num_experts, num_blocks,

@@ -156,7 +156,8 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
 
     order = []
     pending = [lazy.engine.stats().graphs_pending]  # (what /metrics shows, and bench serve waits on)
-    assert pending[0] == len(lazy.graphs.pending) + len(lazy.engine.prompt_graphs.pending)
+    warmup = lazy.engine.warmup  # (attention_warmup.py: last, one shape a turn)
+    assert pending[0] == len(lazy.graphs.pending) + len(lazy.engine.prompt_graphs.pending) + len(warmup.pending)
     while lazy.graphs.pending:
         assert lazy.engine.capture_idle()
         pending.append(lazy.engine.stats().graphs_pending)
@@ -169,6 +170,10 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
         assert prompt_graphs.pending[-1] == largest and lazy.engine.capture_idle()
     while prompt_graphs.pending:
         assert lazy.engine.capture_idle()
+    shapes = len(warmup.pending)
+    while warmup.pending:
+        assert lazy.engine.capture_idle() and len(warmup.pending) == shapes - 1
+        shapes -= 1
     assert pending == list(range(pending[0], pending[0] - 7, -1)) and lazy.engine.stats().graphs_pending == 0
     assert not lazy.engine.capture_idle()  # nothing left
     buckets.clear()

@@ -98,3 +98,31 @@ def test_a_prompt_of_a_new_length_compiles_nothing_a_first_one_did_not(tmp_path)
     run(["-c", PROMPTS_OF, "47", "63", "40"], cache)
     new = kernels_in(cache) - seen
     assert not new, sorted(p.name for p in cache.glob("*/*.cubin") if p.parent.name in new)
+
+
+MIXED_STEPS = """
+import sys
+from preload import BUNDLED_MODEL, LLM
+from preload.options import EngineOptions
+llm = LLM(BUNDLED_MODEL, device="cuda", engine=EngineOptions(max_num_seqs=32, max_num_batched_tokens=64))
+while llm.engine.capture_idle():  # what an idle worker does before its first request
+    pass
+if sys.argv[1:] == ["serve"]:  # prompts chunked 64 tokens a step beside 1 to 23 running sequences' decode rows
+    prompts = [[2 + (37 * i + j) % 1500 for j in range(20 + 29 * i)] for i in range(24)]
+    llm.generate(prompts, max_tokens=24, ignore_eos=True)
+"""
+
+
+def test_steps_that_mix_prompts_and_decode_rows_compile_nothing_an_idle_engine_did_not(tmp_path):
+    """Such steps attend eagerly, and their kernels' variants follow how many decode rows
+    there are and how long their contexts (on an H100 54 kernels were compiled during a
+    fresh host's first run of workload B, its prompt steps 204 ms against 36 later). An
+    idle engine launches every variant first (attention_warmup.py): one process only
+    warms up; another, on the same cache, then serves prompts chunked beside 1 to 23
+    decode rows with contexts of 20 to 700 tokens: nothing new is compiled."""
+    cache = tmp_path / "cache"
+    run(["-c", MIXED_STEPS], cache)
+    seen = kernels_in(cache)
+    run(["-c", MIXED_STEPS, "serve"], cache)
+    new = kernels_in(cache) - seen
+    assert not new, sorted(p.name for p in cache.glob("*/*.cubin") if p.parent.name in new)

@@ -13,7 +13,14 @@ triton = pytest.importorskip("triton")
 from kernel_cases import DEVICE, as_float, paged_case  # noqa: E402
 
 from preload.kernels.attention import mla_decode, mla_decode_reference  # noqa: E402
-from preload.kernels.mla_decode import mla_decode_latent, splits_for  # noqa: E402
+from preload.kernels.mla_decode import (  # noqa: E402
+    MAX_SPLITS,
+    MIN_SPLIT,
+    block_n,
+    launch_shapes,
+    mla_decode_latent,
+    splits_for,
+)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -80,3 +87,20 @@ def test_on_hopper_the_loop_copies_its_rows_ahead():
                       BLOCK_N=16, MIN_SPLIT=16)
     ttgir = compile_for_hopper("preload.kernels.mla_decode", "_mla_decode_split", signature, constexprs)["ttgir"]
     assert count(ttgir, "async_copy_global_to_local") >= 2 and count(ttgir, "async_wait") >= 1
+
+
+@pytest.mark.parametrize("heads", [2, 16, 128])
+def test_the_warm_up_shapes_launch_every_variant_any_batch_and_context_would(heads):
+    """An idle engine launches mla_decode_latent at launch_shapes (attention_warmup.py) so
+    that serving compiles no variant of it mid-step: every (rows' step, split count's power
+    of two) that any batch up to the limit and any context can pick is among theirs."""
+    max_batch = 96
+    shapes = launch_shapes(heads, max_batch)
+    assert all(1 <= b <= max_batch and c >= 1 for b, c in shapes)
+
+    def variant(batch, context):
+        return block_n(batch), triton.next_power_of_2(splits_for(batch, heads, context))
+
+    reachable = {variant(b, c) for b in range(1, max_batch + 1) for c in range(1, 2 * MAX_SPLITS * MIN_SPLIT, 7)}
+    assert {variant(b, c) for b, c in shapes} == reachable
+    assert len(shapes) == len(reachable)  # (one launch each)

@@ -91,8 +91,9 @@ class WorkerMetrics:
         self.kv_used = gauge("preload_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("preload_kv_blocks_total", "KV cache blocks")
         self.graphs_pending = gauge("preload_engine_graphs_pending", "CUDA graph buckets not captured yet (decode and"
-                                    " prompt steps): a step of such a size captures one first, an idle engine"
-                                    " captures them one at a time")
+                                    " prompt steps) and shapes of eager attention whose kernels are not compiled"
+                                    " yet: a step of such a size captures or compiles one first, an idle engine"
+                                    " does them one at a time")
         self._counted: dict[str, int] = {}  # the engine's running totals as last counted
         self._created_for: tuple | None = None  # the worker and engine labels whose series exist already
         engine.on_step = self.update_gauges

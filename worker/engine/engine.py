@@ -21,6 +21,7 @@ from preload.options import EngineOptions
 from preload.worker.engine.block_ledger import KEY_BYTES, BlockLedger, layout_key, ledger_bytes
 from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.cuda_graphs import DecodeGraphs, fed_rows
+from preload.worker.engine.attention_warmup import AttentionWarmup
 from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.faults import GrammarRefused, SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
@@ -59,7 +60,7 @@ class EngineStats:
     decode_step_seconds: float = 0.0
     decode_ahead_step_seconds: float = 0.0
     gpu_wait_seconds: float = 0.0
-    graphs_pending: int = 0  # CUDA graph buckets (decode and prompt steps) still to be captured
+    graphs_pending: int = 0  # CUDA graph buckets (decode and prompt steps) still to capture, eager attention shapes to launch
 
 
 def check_sequence(seq: Sequence, vocab: int, max_model_len: int) -> None:
@@ -156,6 +157,11 @@ class Engine:
             self.drafter = Drafter(spec, self.blocks, device, draft, draft_cache, shape, draft_graphs,
                                    self.scratch_block)
         self.grammars = Grammars(tokenizer, cfg.vocab_size, self.stop_ids)
+        # The eager attention's kernels, compiled while idle (attention_warmup.py); a CPU compiles none.
+        self.warmup = None
+        if device.type == "cuda" and self.cache.ptrs is not None:
+            self.warmup = AttentionWarmup(model, self.cache, config.block_size, self.scratch_block,
+                                          config.max_num_seqs, device)
         # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
         self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
         self.clock = StepClock()
@@ -197,14 +203,18 @@ class Engine:
     def capture_idle(self) -> bool:
         """Capture the smallest decode graph a lazy start left (cuda_graphs.py), then a few
         pieces of the largest bucket of prompt steps not captured yet (prompt_graphs.py: the
-        token budget is the size a busy engine's steps take most), between steps, while
-        nothing waits; False if none is left."""
+        token budget is the size a busy engine's steps take most), then launch one shape of
+        eager attention not launched yet (attention_warmup.py), between steps, while nothing
+        waits; False if none is left."""
         if self.has_work() or not self.graphs_pending():
             return False
         if self.graphs is not None and self.graphs.pending:
             return self._capture(self.graphs.pending[:1])
-        prompts = self.prompt_graphs  # (what graphs_pending counted: a prompt bucket)
-        prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
+        prompts = self.prompt_graphs
+        if prompts is not None and prompts.pending:
+            prompts.capture(prompts.pending[-1], self.cache, self.scratch_block * self.blocks.block_size, most=4)
+        else:
+            self.warmup.run_one()  # (what graphs_pending counted last: a shape of it)
         return True
 
     def _capture(self, sizes: list[int]) -> bool:
@@ -221,8 +231,9 @@ class Engine:
     def graphs_pending(self) -> int:
         """The graph buckets a step of their size would capture first (0.1-0.6 s on the
         H200) and an idle engine captures one at a time (capture_idle): the target's decode
-        (and verify) steps' and, without a drafter, the prompt steps'."""
-        return sum(len(g.pending) for g in (self.graphs, self.prompt_graphs) if g is not None)
+        (and verify) steps' and, without a drafter, the prompt steps'; and the shapes of
+        eager attention whose kernels a step would compile first (attention_warmup.py)."""
+        return sum(len(g.pending) for g in (self.graphs, self.prompt_graphs, self.warmup) if g is not None)
 
     @torch.inference_mode()
     def step(self) -> list[Output]:

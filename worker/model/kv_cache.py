@@ -34,12 +34,13 @@ DAEMON_CONTEXT_BYTES = 640 << 20  # the daemon's own CUDA context (612 MiB measu
 
 
 def worker_reserve(cfg: ModelConfig, max_num_batched_tokens: int) -> int:
-    """Device memory a worker needs besides its KV cache: 1.5 GiB of CUDA context, kernels,
-    library workspaces, captured decode graphs and allocator slack (1.46 GiB measured on
-    an H200 for the bundled model, a worker or a spare alike), plus the largest step's
-    activations, dominated by float32 logits and their log-softmax when a prompt is
-    scored on every row."""
-    return (3 << 29) + max_num_batched_tokens * (8 * cfg.vocab_size + 64 * cfg.hidden_size)
+    """Device memory a worker needs besides its KV cache: 2 GiB of CUDA context, kernels,
+    library workspaces, captured decode and prompt graphs and allocator slack (bundled
+    model: 1.46 GiB measured on an H200 before prompt steps had graphs; 1.90 GiB on an H100
+    since, a worker or a spare alike: 7,328 MiB with 5,383 of KV, a spare 1,920), plus the
+    largest step's activations, dominated by float32 logits and their log-softmax when a
+    prompt is scored on every row."""
+    return (1 << 31) + max_num_batched_tokens * (8 * cfg.vocab_size + 64 * cfg.hidden_size)
 
 
 def kv_cache_share(cfg: ModelConfig, device: torch.device, weight_bytes: int, max_num_batched_tokens: int,

@@ -1,0 +1,59 @@
+"""The eager attention's kernel variants, launched once while the engine is idle.
+
+A step that carries prompt tokens replays its other pieces from CUDA graphs
+(prompt_graphs.py) but runs its attention eagerly, since its layout changes every step.
+The kernels it launches compile a variant per tile choice: the decode rows' kernel
+(kernels/mla_decode.py) one per number of splits and rows' step (up to 16), the prompts'
+one (kernels/mla_prefill.py) another for a context longer than a chunk. On an empty kernel
+cache each was compiled when serving first met it, mid-step, stalling every stream in the
+step: an H100's first run of workload B (`preload bench serve --requests 100 --concurrency
+100 --prompt-len 1000 --output-len 1000`) took 204 ms a prompt step, where a later one took
+36, and 54 kernels were compiled during it. Launched here one shape at a time, between
+steps, each over the scratch block only (its outputs thrown away), they are compiled, or
+loaded from the kernel cache, before traffic meets them, and listed for the next start
+(kernels/ahead.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from preload.kernels.prefill import CHUNK
+from preload.worker.model.deepseek import Transformer
+from preload.worker.model.kv_cache import AttentionMeta, LatentCache
+
+PROMPT_TOKENS = 16  # the prompt a warm-up step carries beside its decode rows
+
+
+class AttentionWarmup:
+    """The shapes of eager steps not launched yet (`pending`); `run_one` launches the next."""
+
+    def __init__(self, model: Transformer, cache: LatentCache, block_size: int, scratch_block: int, max_rows: int,
+                 device: torch.device):
+        from preload.kernels.mla_decode import launch_shapes  # Triton: imported only where there is a GPU
+
+        self.model, self.cache, self.device = model, cache, device
+        self.block_size, self.scratch = block_size, scratch_block
+        self.pending = launch_shapes(model.cfg.num_heads, max_rows)
+        self.long_context_done = False
+
+    @torch.inference_mode()
+    def run_one(self) -> None:
+        """One step's attention of layer 0: `batch` decode rows over `context` tokens each,
+        and a prompt of PROMPT_TOKENS tokens, the first time after a context of more than a
+        chunk (both of mla_prefill's variants), then with none."""
+        batch, context = self.pending.pop()
+        cfg = self.model.cfg
+        before = 0 if self.long_context_done else CHUNK
+        spans = [(context - 1, 1, self.blocks(context))] * batch
+        spans.append((before, PROMPT_TOKENS, self.blocks(before + PROMPT_TOKENS)))
+        meta = AttentionMeta.build(spans, self.block_size, self.device)
+        # Laid out as Attention.project leaves them: one tensor, split.
+        q = torch.zeros(batch + PROMPT_TOKENS, cfg.num_heads, cfg.qk_head_dim, dtype=self.cache.dtype,
+                        device=self.device)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        self.model.layers[0].attn.attend(q_nope, q_pe, meta, self.cache)
+        self.long_context_done = True
+
+    def blocks(self, tokens: int) -> list[int]:
+        return [self.scratch] * -(-tokens // self.block_size)
