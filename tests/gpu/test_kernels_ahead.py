@@ -115,8 +115,8 @@ if sys.argv[1:] == ["serve"]:  # prompts chunked 64 tokens a step beside 1 to 23
 
 def test_steps_that_mix_prompts_and_decode_rows_compile_nothing_an_idle_engine_did_not(tmp_path):
     """Such steps attend eagerly, and their kernels' variants follow how many decode rows
-    there are and how long their contexts (on an H100 54 kernels were compiled during a
-    fresh host's first run of workload B, its prompt steps 204 ms against 36 later). An
+    there are and how long their contexts (on an H100, 22 such variants were compiled
+    during a fresh host's first run of workload B, its prompt steps 204 ms against 36). An
     idle engine launches every variant first (attention_warmup.py): one process only
     warms up; another, on the same cache, then serves prompts chunked beside 1 to 23
     decode rows with contexts of 20 to 700 tokens: nothing new is compiled."""

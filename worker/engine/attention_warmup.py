@@ -7,11 +7,13 @@ The kernels it launches compile a variant per tile choice: the decode rows' kern
 one (kernels/mla_prefill.py) another for a context longer than a chunk. On an empty kernel
 cache each was compiled when serving first met it, mid-step, stalling every stream in the
 step: an H100's first run of workload B (`preload bench serve --requests 100 --concurrency
-100 --prompt-len 1000 --output-len 1000`) took 204 ms a prompt step, where a later one took
-36, and 54 kernels were compiled during it. Launched here one shape at a time, between
-steps, each over the scratch block only (its outputs thrown away), they are compiled, or
-loaded from the kernel cache, before traffic meets them, and listed for the next start
-(kernels/ahead.py).
+100 --prompt-len 1000 --output-len 1000`) took 204 ms a prompt step, 36 once they were
+compiled: of the 54 kernels first met from the start's return to that run's end (idle
+captures among them), 22 were variants of the decode rows' kernels
+(results/kernels/compiled-while-serving-v2lite-h100.txt). Launched here one shape at a
+time, between steps, each over the scratch block only (its outputs thrown away), they
+are compiled, or loaded from the kernel cache, before traffic meets them, and listed for
+the next start (kernels/ahead.py).
 """
 
 from __future__ import annotations
