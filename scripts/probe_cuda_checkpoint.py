@@ -12,7 +12,13 @@ Three processes, no torch in this one (the driver through ctypes: cuInit, no con
 Prints one JSON object: every call's result (CUDA's error name), its seconds, the memory
 used after each step, and whether the importer's bytes came back intact.
 
-    python3 scripts/probe_cuda_checkpoint.py [--mib 1024] > $OUT/probe-cuda-checkpoint.json
+With --unmap-first, what a core kept through a sleep would do: the importer unmaps the
+arena (its address range kept) before its checkpoint; between the checkpoint and the
+restore the exporter frees its arena and makes a new one of the same bytes (the weights to
+host memory and back); after the restore the importer maps the new arena at the old
+address and replays a CUDA graph captured before, which reads it and its own memory.
+
+    python3 scripts/probe_cuda_checkpoint.py [--mib 1024] [--unmap-first] > $OUT/probe-cuda-checkpoint.json
 """
 
 from __future__ import annotations
@@ -67,15 +73,22 @@ def exporter(sock: socket.socket, mib: int) -> None:
 
     from preload.ipc.cuda import VmmArena
 
-    arena = VmmArena(mib << 20, "cuda:0")
-    view = arena.as_tensor().view(torch.int64)
-    view.copy_(torch.arange(view.numel(), device="cuda:0", dtype=torch.int64) * 7)
-    torch.cuda.synchronize()
-    arena.seal()
-    info = arena.info()
-    send(sock, {"size": info.size, "device": info.device, "transport": info.transport}, arena.fds())
-    receive(sock)  # until told to go
-    arena.close()
+    while True:
+        arena = VmmArena(mib << 20, "cuda:0")
+        view = arena.as_tensor().view(torch.int64)
+        view.copy_(torch.arange(view.numel(), device="cuda:0", dtype=torch.int64) * 7)
+        torch.cuda.synchronize()
+        del view
+        arena.seal()
+        info = arena.info()
+        send(sock, {"size": info.size, "device": info.device, "transport": info.transport}, arena.fds())
+        msg, _ = receive(sock)  # until told to go, or to make it again
+        arena.close()
+        if not msg.get("renew"):
+            return
+        torch.cuda.synchronize()
+        send(sock, {"freed": True})
+        receive(sock)  # (the probe reads the memory used meanwhile)
 
 
 def importer(sock: socket.socket, mib: int) -> None:
@@ -84,21 +97,53 @@ def importer(sock: socket.socket, mib: int) -> None:
     from preload.ipc.cuda import VmmMapping
     from preload.ipc.manifest import ArenaInfo
 
+    from preload.ipc import cuda
+
     msg, fds = receive(sock)
     mapping = VmmMapping(ArenaInfo(**msg), fds)
     mapped = mapping.base.view(torch.int64)
     own = torch.arange(mapped.numel() // 2, device="cuda:0", dtype=torch.int64) * 3
+    graph, out = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda:0", dtype=torch.int64)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # (a first run outside capture, as the engine's graphs are made)
+        out.copy_((mapped[: own.numel()] + own).sum())
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out.copy_((mapped[: own.numel()] + own).sum())
 
     def sums() -> dict:
+        graph.replay()
         torch.cuda.synchronize()
-        return {"mapped": int(mapped.sum()), "own": int(own.sum())}
+        return {"mapped": int(mapped.sum()), "own": int(own.sum()), "graph": int(out.item())}
 
     send(sock, {"sums": sums()})
     while True:
-        msg, _ = receive(sock)
+        msg, fds = receive(sock)
         if msg.get("go"):
             return
         try:
+            if msg.get("unmap"):  # the arena let go, its address range kept
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                cuda._check(cuda._cu().cuMemUnmap(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size)), "cuMemUnmap")
+                cuda._check(cuda._cu().cuMemRelease(ctypes.c_uint64(mapping.handle)), "cuMemRelease")
+                os.close(mapping.fd)
+                send(sock, {"unmapped_s": round(time.perf_counter() - t, 4)})
+                continue
+            if msg.get("remap"):  # a new arena of the same bytes, at the old address
+                t = time.perf_counter()
+                handle = ctypes.c_uint64()
+                cuda._check(cuda._cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fds[0]),
+                            cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+                cuda._check(cuda._cu().cuMemMap(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size), ctypes.c_size_t(0),
+                            handle, ctypes.c_ulonglong(0)), "cuMemMap")
+                desc = cuda.CUmemAccessDesc(cuda.CUmemLocation(cuda.CU_MEM_LOCATION_TYPE_DEVICE, 0),
+                                            cuda.CU_MEM_ACCESS_FLAGS_PROT_READ)
+                cuda._check(cuda._cu().cuMemSetAccess(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size),
+                            ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
+                mapping.handle, mapping.fd = handle.value, fds[0]
+                send(sock, {"remapped_s": round(time.perf_counter() - t, 4), "sums": sums()})
+                continue
             send(sock, {"sums": sums()})
         except Exception as e:  # noqa: BLE001 (what the driver says after a restore is the finding)
             send(sock, {"error": repr(e)})
@@ -123,9 +168,10 @@ def note(what: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)  # (where a hang stopped)
 
 
-def checkpoint_cycle(lib, pid: int, lock_ms: int) -> dict:
+def checkpoint_cycle(lib, pid: int, lock_ms: int, between=None) -> dict:
     """Lock, checkpoint, restore, unlock `pid`; each call's result and seconds, and the
-    GPU's used memory after the checkpoint and after the restore."""
+    GPU's used memory after the checkpoint and after the restore. `between`: called after
+    the checkpoint, before the restore; what it returns is kept under "between"."""
     out = {}
     for step in ("Lock", "Checkpoint", "Restore", "Unlock"):
         call = getattr(lib, f"cuCheckpointProcess{step}")
@@ -145,6 +191,37 @@ def checkpoint_cycle(lib, pid: int, lock_ms: int) -> dict:
             out[step.lower()]["used_mib_after"] = used_mib()
         if rc != 0:
             break
+        if step == "Checkpoint" and between is not None:
+            out["between"] = between()
+    return out
+
+
+def unmap_first(lib, lock_ms: int, imp: subprocess.Popen, imp_sock: socket.socket, exp_sock: socket.socket,
+                before: dict) -> dict:
+    """The --unmap-first sequence (above); each step's answer and the memory used after it."""
+    out = {}
+    note("importer: unmapping the arena")
+    send(imp_sock, {"unmap": True})
+    out["unmap"] = receive(imp_sock)[0] | {"used_mib_after": used_mib()}
+    renewed = []
+
+    def renew() -> dict:
+        note("exporter: its arena freed, then made again")
+        send(exp_sock, {"renew": True})
+        receive(exp_sock)
+        freed = used_mib()
+        send(exp_sock, {"go_on": True})
+        info, fds = receive(exp_sock)
+        renewed.append((info, fds))
+        return {"used_mib_arena_freed": freed, "used_mib_arena_again": used_mib()}
+
+    out["cycle"] = checkpoint_cycle(lib, imp.pid, lock_ms, renew)
+    if renewed and out["cycle"].get("unlock", {}).get("result") == "CUDA_SUCCESS":
+        info, fds = renewed[0]
+        note("importer: the new arena at the old address")
+        send(imp_sock, info | {"remap": True}, fds)
+        answer = receive(imp_sock)[0]
+        out["remap"] = answer | {"intact": answer.get("sums") == before}
     return out
 
 
@@ -157,6 +234,8 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=1024, help="the exported arena's size; the importer's own is half")
     p.add_argument("--lock-ms", type=int, default=10_000, help="the lock's timeout")
     p.add_argument("--timeout", type=int, default=60, help="seconds for the whole probe; then what it found so far")
+    p.add_argument("--unmap-first", action="store_true", help="the importer unmaps the arena before its checkpoint,"
+                   " and maps a new one at the same address after its restore (above)")
     args = p.parse_args()
 
     def stop(*_):
@@ -177,6 +256,9 @@ def main() -> None:
         note("importer: mapping it")
         result["sums_before"] = receive(imp_sock)[0]["sums"]
         result["used_mib_both_up"] = used_mib()
+        if args.unmap_first:
+            result["unmap_first"] = unmap_first(lib, args.lock_ms, imp, imp_sock, exp_sock, result["sums_before"])
+            raise TimeoutError("done")  # (the cycles below are the probe without --unmap-first)
         for name, proc in (("importer", imp), ("exporter", exp)):
             result[f"checkpoint_{name}"] = checkpoint_cycle(lib, proc.pid, args.lock_ms)
             note(f"importer: its sums after the {name}'s cycle")
@@ -184,7 +266,8 @@ def main() -> None:
             result[f"after_{name}"] = receive(imp_sock)[0]
             result[f"after_{name}"]["intact"] = result[f"after_{name}"].get("sums") == result["sums_before"]
     except TimeoutError as e:
-        result["stopped"] = str(e)
+        if str(e) != "done":
+            result["stopped"] = str(e)
     finally:
         signal.alarm(0)
         for sock in (imp_sock, exp_sock):

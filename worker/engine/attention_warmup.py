@@ -26,9 +26,14 @@ from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
 PROMPT_TOKENS = 16  # the prompt a warm-up step carries beside its decode rows
 
+# What this process launched already, by layout (a kernel compiled stays compiled): a later
+# engine of the same layout (a spare's, on its slot's cache) has nothing left to launch.
+_launched: set[tuple] = set()
+
 
 class AttentionWarmup:
-    """The shapes of eager steps not launched yet (`pending`); `run_one` launches the next."""
+    """The shapes of eager steps this process has not launched yet (`pending`); `run_one`
+    launches the next."""
 
     def __init__(self, model: Transformer, cache: LatentCache, block_size: int, scratch_block: int, max_rows: int,
                  device: torch.device):
@@ -36,8 +41,10 @@ class AttentionWarmup:
 
         self.model, self.cache, self.device = model, cache, device
         self.block_size, self.scratch = block_size, scratch_block
-        self.pending = launch_shapes(model.cfg.num_heads, max_rows)
-        self.long_context_done = False
+        c = model.cfg
+        self.layout = (block_size, cache.dtype, cache.fp8, c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim,
+                       c.qk_rope_head_dim, c.v_head_dim)
+        self.pending = [s for s in launch_shapes(c.num_heads, max_rows) if (self.layout, s) not in _launched]
 
     @torch.inference_mode()
     def run_one(self) -> None:
@@ -46,7 +53,7 @@ class AttentionWarmup:
         chunk (both of mla_prefill's variants), then with none."""
         batch, context = self.pending.pop()
         cfg = self.model.cfg
-        before = 0 if self.long_context_done else CHUNK
+        before = 0 if (self.layout, "long context") in _launched else CHUNK
         spans = [(context - 1, 1, self.blocks(context))] * batch
         spans.append((before, PROMPT_TOKENS, self.blocks(before + PROMPT_TOKENS)))
         meta = AttentionMeta.build(spans, self.block_size, self.device)
@@ -55,7 +62,7 @@ class AttentionWarmup:
                         device=self.device)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         self.model.layers[0].attn.attend(q_nope, q_pe, meta, self.cache)
-        self.long_context_done = True
+        _launched.update({(self.layout, (batch, context)), (self.layout, "long context")})
 
     def blocks(self, tokens: int) -> list[int]:
         return [self.scratch] * -(-tokens // self.block_size)
