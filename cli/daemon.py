@@ -215,8 +215,9 @@ def sleep(state_dir, level, timeout):
     if s["sleep"].get("error"):  # (asleep, but the weights could not go where level 1 keeps them)
         click.echo(f"preload: asleep (level {level}), but {s['sleep']['error']}", err=True)
         sys.exit(1)
-    held = s["sleep"]["host_bytes"] / 2**30
-    click.echo(f"asleep (level {level}) in {time.monotonic() - t0:.2f} s; {held:.2f} GiB of weights held in host memory")
+    held, kept = s["sleep"]["host_bytes"] / 2**30, s["sleep"].get("spares_kept", 0)
+    click.echo(f"asleep (level {level}) in {time.monotonic() - t0:.2f} s; {held:.2f} GiB of weights held in host memory"
+               + (f"; {kept} spare(s) kept, their device state in host memory" if kept else ""))
 
 
 @click.command()

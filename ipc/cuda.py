@@ -142,16 +142,25 @@ def _prop(ordinal: int) -> CUmemAllocationProp:
 
 def _map(handle: int, size: int, ordinal: int, flags: int) -> int:
     """Reserve an address range, map the allocation there, grant this device `flags`."""
-    cu, ptr = _cu(), ctypes.c_uint64()
-    _check(cu.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+    ptr = ctypes.c_uint64()
+    _check(_cu().cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
     try:
-        _check(cu.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(handle), ctypes.c_ulonglong(0)), "cuMemMap")
-        desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal), flags)
-        _check(cu.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
+        _map_at(ptr.value, handle, size, ordinal, flags)
     except ArenaError:
         _unmap(ptr.value, size)
         raise
     return ptr.value
+
+
+def _map_at(ptr: int, handle: int, size: int, ordinal: int, flags: int) -> None:
+    """Map the allocation into the reserved range at `ptr`, grant this device `flags`."""
+    cu = _cu()
+    _check(cu.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0), ctypes.c_uint64(handle), ctypes.c_ulonglong(0)), "cuMemMap")
+    desc = CUmemAccessDesc(CUmemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal), flags)
+    rc = cu.cuMemSetAccess(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(desc), ctypes.c_size_t(1))
+    if rc != 0:
+        cu.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+        _check(rc, "cuMemSetAccess")
 
 
 def _unmap(ptr: int, size: int) -> None:
@@ -298,17 +307,47 @@ class VmmMapping(_VmmHolder):
     def __init__(self, info: ArenaInfo, fds: list[int], writable: bool = False):
         self.size, self.ordinal = info.size, info.device
         self.fd = fds[0]
+        self.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else CU_MEM_ACCESS_FLAGS_PROT_READ
         try:
             _device_context(_torch_device(self.ordinal))  # (a worker: torch's current device too)
-            handle = ctypes.c_uint64()
-            _check(_cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(self.fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
-            self.handle = handle.value
-            flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable else CU_MEM_ACCESS_FLAGS_PROT_READ
-            self.ptr = _map(self.handle, self.size, self.ordinal, flags)
+            self.handle = _import(self.fd)
+            self.ptr = _map(self.handle, self.size, self.ordinal, self.flags)
         except BaseException:
             self.close()
             raise
         self.base = _as_tensor(self.ptr, self.size, self.ordinal)
+
+    def let_go_keeping_address(self) -> None:
+        """Unmap the allocation and let go of it, its address range kept reserved: what views
+        it and what graphs read it stay valid once map_again puts an allocation of the same
+        size there (a spare kept through a sleep, whose device state the driver can checkpoint
+        only once it maps no other process's memory: ipc/cuda_checkpoint.py). Nothing may
+        read the range meanwhile."""
+        _synchronize(self.ordinal)
+        _check(_cu().cuMemUnmap(ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.size)), "cuMemUnmap")
+        _cu().cuMemRelease(ctypes.c_uint64(self.handle))
+        self.handle = None
+        os.close(self.fd)
+        self.fd = -1
+
+    def map_again(self, info: ArenaInfo, fds: list[int]) -> None:
+        """Map the allocation `fds` names (of the size this one had) where this one was."""
+        if self.handle is not None or info.size != self.size or info.device != self.ordinal:
+            raise ArenaError(f"cannot map {info.size} bytes on device {info.device} where {self.size} bytes on device"
+                             f" {self.ordinal} {'are' if self.handle is not None else 'were'} mapped")
+        handle = _import(fds[0])
+        try:
+            _map_at(self.ptr, handle, self.size, self.ordinal, self.flags)
+        except BaseException:
+            _cu().cuMemRelease(ctypes.c_uint64(handle))
+            raise
+        self.fd, self.handle = fds[0], handle  # (taken only now: on a failure the caller still has them)
+
+
+def _import(fd: int) -> int:
+    handle = ctypes.c_uint64()
+    _check(_cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+    return handle.value
 
 
 class IpcArena:

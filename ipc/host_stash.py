@@ -25,14 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preload.ipc.cuda import (
-    CU_MEM_ACCESS_FLAGS_PROT_READ,
-    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-    VmmArena,
-    _check,
-    _map,
-    _unmap,
-)
+from preload.ipc.cuda import CU_MEM_ACCESS_FLAGS_PROT_READ, VmmArena, _check, _import, _map, _unmap
 from preload.ipc.devices import driver as _cu
 from preload.ipc.devices import make_current
 from preload.ipc.layout import ArenaError
@@ -121,11 +114,9 @@ def stash(info: ArenaInfo, fd: int) -> HostStash:
     held = HostStash(info, host, mapped, np.frombuffer(mapped, dtype=np.uint8).ctypes.data)
     try:
         make_current(info.device)
-        cu, handle = _cu(), ctypes.c_uint64()
-        _check(cu.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
-                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+        cu, handle = _cu(), _import(fd)
         try:
-            ptr = _map(handle.value, info.size, info.device, CU_MEM_ACCESS_FLAGS_PROT_READ)
+            ptr = _map(handle, info.size, info.device, CU_MEM_ACCESS_FLAGS_PROT_READ)
             try:
                 chunks = held.chunks()
                 with ThreadPoolExecutor(POPULATE_THREADS, thread_name_prefix="stash-populate") as pool:
@@ -138,7 +129,7 @@ def stash(info: ArenaInfo, fd: int) -> HostStash:
             finally:
                 _unmap(ptr, info.size)
         finally:
-            cu.cuMemRelease(handle)
+            cu.cuMemRelease(ctypes.c_uint64(handle))
     except BaseException:
         held.close()
         raise

@@ -9,6 +9,15 @@ clients and their requests, told on their links that their slot sleeps (worker/f
 /health says so, requests wait), and hand the requests to the first core after the wake,
 which the refill forks as at a start. A core killed for sleep is replaced as a restart's
 is (its takeover "restart"): nothing counts as a failure, nothing as a restart.
+
+At level 1 on a GPU whose driver can checkpoint a process (ipc/cuda_checkpoint.py), a
+warm spare is kept instead: told to, it lets go of the daemon's weights, their addresses
+kept (worker/link.py's "release"), and the daemon has the driver move the rest of its
+device state (context, kernels, graphs, warm-up cache) to host memory. At the wake the
+driver puts it back beside the weights' copy, the spare maps the new arena where the old
+one was ("remap"), and the refill gives it a slot as after a core's death: a core ready
+without a fork, an attach, a first step or a capture. A spare that cannot be kept (the
+driver refuses, it maps another daemon's draft model) is killed, as without this.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from preload.ipc import cuda_checkpoint
 from preload.preloadd.rolling import cancel_restarts
 from preload.preloadd.workers import Worker
 
@@ -29,12 +41,18 @@ if TYPE_CHECKING:  # the supervisor drives this; only its type is needed here
 log = logging.getLogger("preload.daemon")
 
 
-def fall_asleep(sup: Supervisor, level: int) -> None:
+KEPT = ("releasing", "released")  # a kept spare's states while asleep (then "standby" again, once remapped)
+
+
+def fall_asleep(sup: Supervisor, level: int, keep_spares: bool = False) -> None:
     cancel_restarts(sup)  # (a restart has nothing left to replace)
     sup.asleep = level
     for w in list(sup.workers.values()):
         if w.role == "front":
             tell(w, sleep_message(level))
+        elif keep_spares and w.slot is None and w.state == "standby" and not w.retiring:
+            w.state = "releasing"
+            tell(w, {"release": True})
         else:  # (a slot's core, an old one still draining from a restart, or a spare: each holds memory)
             if w.slot is not None and w.holds(w.slot):
                 sup.slots[w.slot].replaced("sleep", w)
@@ -56,8 +74,54 @@ def wake(sup: Supervisor) -> None:
 
 
 def cores_left(sup: Supervisor) -> int:
-    """Engine cores and spares not reaped yet (asleep: 0 once every one has gone)."""
-    return sum(w.role != "front" for w in sup.workers.values())
+    """Engine cores and spares not reaped yet, but for spares kept (asleep: 0 once every
+    other one has gone)."""
+    return sum(w.role != "front" and (w.state not in KEPT or w.retiring) for w in sup.workers.values())
+
+
+def on_kept_event(sup: Supervisor, w: Worker, event: str, msg: dict) -> None:
+    """What a kept spare says (worker/link.py): it let go of the weights, mapped the new
+    ones, or cannot be kept (then it goes, as an unkept one does)."""
+    if event == "released" and w.state == "releasing":
+        w.state = "released"
+    elif event == "remapped" and w.state == "released":
+        w.state = "standby"
+        log.info("spare (pid %d) kept through the sleep: its weights mapped again", w.pid)
+    elif event == "kept_failed":
+        let_kept_go(sup, w.pid, f"not kept through the sleep: {msg.get('why')}")
+
+
+def let_kept_go(sup: Supervisor, pid: int, why: str) -> None:
+    w = sup.workers.get(pid)
+    if w is not None and not w.retiring:
+        log.warning("spare (pid %d) %s", pid, why)
+        w.retiring = True
+        w.kill(why)
+
+
+def remap_kept(sup: Supervisor, arenas: dict[int, tuple[dict, list[int]]]) -> None:
+    """Each kept spare told the new arena of its data-parallel rank ({rank: (the remap
+    message, its fds)}), to map where the last one was."""
+    for w in list(sup.workers.values()):
+        if w.state == "released" and not w.retiring:
+            msg, fds = arenas[w.dp_rank]
+            try:
+                socket.send_fds(w.link, [json.dumps(msg).encode()], fds)
+            except OSError:
+                pass  # it died meanwhile: its pidfd says so
+
+
+def sleep_request(sup: Supervisor, op: str, arg) -> None:
+    """A sleep, a wake, or an ask of the kept spares (Supervisor.kept: "remap" with the
+    new arenas, "let_go" of one of them), in the supervisor's thread."""
+    if op == "sleep":
+        fall_asleep(sup, *arg)
+    elif op == "wake":
+        wake(sup)
+    elif arg[0] == "remap":
+        remap_kept(sup, arg[1])
+    elif arg[0] == "let_go":
+        let_kept_go(sup, *arg[1])
 
 
 def sleep_message(level: int | None) -> dict:
@@ -75,7 +139,8 @@ def tell(front: Worker, msg: dict) -> None:
 # ---- the daemon's part: its state and its weights -------------------------------------------
 
 LEVELS = (1, 2)
-CORES_GONE_TIMEOUT = 30.0  # seconds for every core killed at sleep to be reaped
+CORES_GONE_TIMEOUT = 30.0  # seconds for every core killed at sleep to be reaped (and every kept spare to let go)
+REMAP_TIMEOUT = 10.0  # seconds for a kept spare to map the weights again at the wake
 HOST_SHARE = 0.9  # of the host memory free that a level-1 sleep may take for the weights (the rest: everyone else)
 
 
@@ -89,7 +154,9 @@ class Sleeper:
     weights to host memory (ipc/host_stash.py), then lets them go as level 2 does (on a CPU
     they stay where they are: host memory already). sleeping -> waking -> ready: the weights
     put back from host memory (level 1) or loaded again as a start does (level 2), then every
-    slot gets a core, ready when all are."""
+    slot gets a core, ready when all are. Spares kept through a level-1 sleep (above) are
+    checkpointed by the driver once they let go of the weights, and restored beside the
+    wake's copy; once they map the weights again, the slots are filled (by them first)."""
 
     def __init__(self, daemon):
         self.d = daemon
@@ -99,6 +166,7 @@ class Sleeper:
         self.stashes: list = []  # level 1 on a GPU: (host copy, manifest) of each copy of the weights
         self.error: str | None = None  # what went wrong in the last sleep or wake (the weights stayed, or are not back)
         self.failed_wakes = 0  # wakes that left it asleep (`preload wake` says so, and can try again)
+        self.kept: list[int] = []  # the spares kept through this sleep, checkpointed by the driver (pids)
         self._letting_go: threading.Thread | None = None  # the last wake's host copies, freed meanwhile
         self._asked: queue.SimpleQueue = queue.SimpleQueue()
         self.poke = threading.Event()  # the main thread's wake-up
@@ -133,15 +201,18 @@ class Sleeper:
         on_host = self.d.r.device == "cpu"
         held = [copy.arena.size for copy in self.d.copies] if on_host else [s.info.size for s, _ in self.stashes]
         return {"level": self.level, "since": self.since, "asleep": self.asleep, "host_bytes": sum(held),
-                "error": self.error, "failed_wakes": self.failed_wakes}
+                "spares_kept": len(self.kept), "error": self.error, "failed_wakes": self.failed_wakes}
 
     def _sleep(self, level: int) -> None:
         d = self.d
         d.state, self.level, self.since, self.error, self.failed_wakes = "sleeping", level, time.time(), None, 0
-        d.supervisor.sleep(level)
+        keep = level == 1 and self._can_keep_spares()
+        d.supervisor.sleep(level, keep_spares=keep)
         deadline = time.monotonic() + CORES_GONE_TIMEOUT
-        while d.supervisor.status().get("cores_left", 1) and time.monotonic() < deadline:
+        while self._letting_go_of_cores() and time.monotonic() < deadline:
             time.sleep(0.02)
+        if keep:
+            self._suspend_kept()
         if level == 1 and d.r.device != "cpu":
             self._to_host()
         if level == 2 or self.stashes:
@@ -154,6 +225,7 @@ class Sleeper:
         d.state, self.asleep, self.error = "waking", False, None
         t0 = time.monotonic()
         d.spawn_keeper()
+        resuming = self._resume_kept()  # (beside the weights' copy)
         try:
             if self.stashes:
                 self._from_host()
@@ -163,8 +235,11 @@ class Sleeper:
             log.error("wake: the weights are not back (%s); still asleep: `preload wake` tries again", e, exc_info=True)
             d.state, self.asleep, self.error = "sleeping", True, f"the wake failed: {e}"
             self.failed_wakes += 1
+            for pid in resuming:  # (restored, they would hold the device while asleep: new ones come at the wake)
+                d.supervisor.kept("let_go", (pid, "not kept: the wake failed"))
             return
         d.state = "waking"  # (a load said "loading" meanwhile)
+        self._remap_kept(resuming)
         d.supervisor.sleep(None)
         deadline = time.monotonic() + d.opts.worker_start_timeout
         while not all(w["state"] == "ready" for w in d.supervisor.status()["workers"]):
@@ -175,6 +250,75 @@ class Sleeper:
             time.sleep(0.02)
         d.state, self.level, self.since = "ready", None, None
         log.info("awake in %.2f s", time.monotonic() - t0)
+
+    def _can_keep_spares(self) -> bool:
+        """Spares are kept through a level-1 sleep on a GPU whose driver checkpoints a
+        process, where a spare maps nothing but these weights (no tensor-parallel group;
+        one that maps another daemon's draft model says it cannot be kept)."""
+        return (self.d.r.device != "cpu" and self.d.opts.worker.engine.tensor_parallel_size == 1
+                and cuda_checkpoint.available())
+
+    def _letting_go_of_cores(self) -> bool:
+        s = self.d.supervisor.status()
+        return bool(s.get("cores_left", 1)) or any(x["state"] == "releasing" for x in s["spares"])
+
+    def _suspend_kept(self) -> None:
+        """Each spare that let go of the weights checkpointed by the driver (in parallel: a
+        second each for a V2-Lite spare); one that cannot be, or did not let go, killed."""
+        sup, t0 = self.d.supervisor, time.monotonic()
+        for x in sup.status()["spares"]:
+            if x["state"] == "releasing":
+                sup.kept("let_go", (x["pid"], "not kept through the sleep: it did not let go of the weights in time"))
+        pids = [x["pid"] for x in sup.status()["spares"] if x["state"] == "released"]
+        if not pids:
+            return
+        with ThreadPoolExecutor(len(pids), thread_name_prefix="suspend") as pool:
+            done = dict(zip(pids, pool.map(self._suspend, pids)))
+        self.kept = [pid for pid, ok in done.items() if ok]
+        log.info("sleep level 1: %d spare(s) kept, their device state in host memory in %.2f s", len(self.kept),
+                 time.monotonic() - t0)
+
+    def _suspend(self, pid: int) -> bool:
+        try:
+            cuda_checkpoint.suspend(pid)
+            return True
+        except Exception as e:  # noqa: BLE001 (the driver's refusal, or anything else: killed as an unkept spare is)
+            self.d.supervisor.kept("let_go", (pid, f"not kept through the sleep: {e}"))
+            return False
+
+    def _resume_kept(self) -> dict:
+        """The kept spares' device state put back by the driver, in threads started now:
+        {pid: its future}."""
+        if not self.kept:
+            return {}
+        pool = ThreadPoolExecutor(len(self.kept), thread_name_prefix="resume")
+        resuming = {pid: pool.submit(cuda_checkpoint.resume, pid) for pid in self.kept}
+        pool.shutdown(wait=False)
+        self.kept = []
+        return resuming
+
+    def _remap_kept(self, resuming: dict) -> None:
+        """Once restored, each kept spare told the new arena of its rank, and waited for
+        until it mapped it where the last one was; one that does not is killed."""
+        if not resuming:
+            return
+        sup, t0 = self.d.supervisor, time.monotonic()
+        for pid, restored in resuming.items():
+            try:
+                restored.result()
+            except Exception as e:  # noqa: BLE001 (not restored: killed, and the refill forks a core)
+                sup.kept("let_go", (pid, f"not kept through the sleep: {e}"))
+        m = [c.manifest for c in self.d.copies]
+        sup.kept("remap", {rank: ({"remap": True, "arena": m[rank].arena.to_wire(), "fingerprint": m[rank].fingerprint},
+                                  c.arena.fds()) for rank, c in enumerate(self.d.copies)})
+        deadline = time.monotonic() + REMAP_TIMEOUT
+        while [x for x in sup.status()["spares"] if x["state"] in KEPT] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waiting = [x["pid"] for x in sup.status()["spares"] if x["state"] in KEPT]
+        for pid in waiting:
+            sup.kept("let_go", (pid, "not kept through the sleep: it did not map the weights again in time"))
+        log.info("wake: %d kept spare(s) restored and their weights mapped again, %.2f s after the weights were back",
+                 len(resuming) - len(waiting), time.monotonic() - t0)
 
     def _to_host(self) -> None:
         """Each copy of the weights copied to host memory, or none (then they stay on the

@@ -39,9 +39,9 @@ from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
 from preload.preloadd.rolling import RollingRestart, restart_now
-from preload.preloadd.sleeping import cores_left, fall_asleep, sleep_message, tell, wake
-from preload.preloadd.workers import (OwnStalls, Slot, Worker, become_subreaper, close_fds, describe_exit, reap,
-                                      reap_orphans, unregister)
+from preload.preloadd.sleeping import cores_left, on_kept_event, sleep_message, sleep_request, tell
+from preload.preloadd.workers import (OwnStalls, Slot, Worker, become_subreaper, close_fds, describe_exit, drain_pipe,
+                                      reap, reap_orphans, unregister)
 
 log = logging.getLogger("preload.daemon")
 
@@ -75,7 +75,7 @@ class Supervisor:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel = selectors.DefaultSelector()
-        self._sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, lambda: drain_pipe(self._wake_r))
         self._snapshot: dict = {"workers": [], "spares": [], "zygote_restarts": 0}
         self._own_stalls = OwnStalls(TICK)
         self._published = threading.Condition()
@@ -126,9 +126,13 @@ class Supervisor:
     def restart(self, now: bool) -> None:
         self._request(("restart", now))
 
-    def sleep(self, level: int | None) -> None:
-        """Let every core go (level: 1 or 2), or (None) fill the slots again."""
-        self._request(("sleep", level) if level else ("wake", None))
+    def sleep(self, level: int | None, keep_spares: bool = False) -> None:
+        """Let every core go (level: 1 or 2; `keep_spares`: the warm spares let go of the
+        weights alone), or (None) fill the slots again; `kept`: asks of the spares kept."""
+        self._request(("sleep", (level, keep_spares)) if level else ("wake", None))
+
+    def kept(self, op: str, arg) -> None:
+        self._request(("kept", (op, arg)))
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every worker, wait up to `timeout` for them to drain, SIGKILL the rest."""
@@ -191,20 +195,11 @@ class Supervisor:
                 self._restart_queued = False
                 self.rolling = RollingRestart(self)
 
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _handle(self, op: str, arg) -> None:
         if op == "stop":
             self._begin_stop(arg)
-        elif op == "sleep" and self._stopping is None:
-            fall_asleep(self, arg)
-        elif op == "wake" and self._stopping is None:
-            wake(self)
+        elif op in ("sleep", "wake", "kept") and self._stopping is None:
+            sleep_request(self, op, arg)
         elif op == "restart" and self._stopping is None and self.asleep is None:
             if arg:
                 restart_now(self)
@@ -349,6 +344,8 @@ class Supervisor:
             w.state, w.kv_cache_bytes, w.stamps["ready"] = "ready", int(msg.get("kv_cache_bytes", 0)), time.time()
             (self.front_slots if w.role == "front" else self.slots)[w.slot].ready()
             log.info("%s ready (pid %d) %.3f s after start", w.name, w.pid, now - w.since)
+        elif event in ("released", "remapped", "kept_failed") and w.slot is None:
+            on_kept_event(self, w, event, msg)
 
     def _reap(self, worker: Worker) -> None:
         code = reap(worker) if worker.pid in self.workers else None

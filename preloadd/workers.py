@@ -274,6 +274,15 @@ def unregister(sel: selectors.BaseSelector, fileobj) -> None:
         pass
 
 
+def drain_pipe(fd: int) -> None:
+    """Read a non-blocking pipe empty (wake-ups: their number says nothing)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)

@@ -24,30 +24,17 @@ address and replays a CUDA graph captured before, which reads it and its own mem
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
+from preload.ipc import cuda_checkpoint
+
 ROLE_ARGS = 3  # argv: role, fd of its socket, MiB
-CALL_TIMEOUT = 30.0  # seconds for each driver call
-
-
-def cu():
-    lib = ctypes.CDLL("libcuda.so.1")
-    assert lib.cuInit(0) == 0
-    return lib
-
-
-def error_name(lib, rc: int) -> str:
-    name = ctypes.c_char_p()
-    lib.cuGetErrorName(rc, ctypes.byref(name))
-    return (name.value or b"?").decode()
 
 
 def used_mib() -> int:
@@ -97,8 +84,6 @@ def importer(sock: socket.socket, mib: int) -> None:
     from preload.ipc.cuda import VmmMapping
     from preload.ipc.manifest import ArenaInfo
 
-    from preload.ipc import cuda
-
     msg, fds = receive(sock)
     mapping = VmmMapping(ArenaInfo(**msg), fds)
     mapped = mapping.base.view(torch.int64)
@@ -122,26 +107,14 @@ def importer(sock: socket.socket, mib: int) -> None:
         if msg.get("go"):
             return
         try:
-            if msg.get("unmap"):  # the arena let go, its address range kept
-                torch.cuda.synchronize()
+            if msg.get("unmap"):  # the arena let go, its address range kept (as a kept spare does)
                 t = time.perf_counter()
-                cuda._check(cuda._cu().cuMemUnmap(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size)), "cuMemUnmap")
-                cuda._check(cuda._cu().cuMemRelease(ctypes.c_uint64(mapping.handle)), "cuMemRelease")
-                os.close(mapping.fd)
+                mapping.let_go_keeping_address()
                 send(sock, {"unmapped_s": round(time.perf_counter() - t, 4)})
                 continue
             if msg.get("remap"):  # a new arena of the same bytes, at the old address
                 t = time.perf_counter()
-                handle = ctypes.c_uint64()
-                cuda._check(cuda._cu().cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fds[0]),
-                            cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
-                cuda._check(cuda._cu().cuMemMap(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size), ctypes.c_size_t(0),
-                            handle, ctypes.c_ulonglong(0)), "cuMemMap")
-                desc = cuda.CUmemAccessDesc(cuda.CUmemLocation(cuda.CU_MEM_LOCATION_TYPE_DEVICE, 0),
-                                            cuda.CU_MEM_ACCESS_FLAGS_PROT_READ)
-                cuda._check(cuda._cu().cuMemSetAccess(ctypes.c_uint64(mapping.ptr), ctypes.c_size_t(mapping.size),
-                            ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
-                mapping.handle, mapping.fd = handle.value, fds[0]
+                mapping.map_again(ArenaInfo(**{k: v for k, v in msg.items() if k != "remap"}), fds)
                 send(sock, {"remapped_s": round(time.perf_counter() - t, 4), "sums": sums()})
                 continue
             send(sock, {"sums": sums()})
@@ -159,44 +132,35 @@ def spawn(role: str, mib: int) -> tuple[subprocess.Popen, socket.socket]:
     return proc, ours
 
 
-class LockArgs(ctypes.Structure):
-    """CUcheckpointLockArgs: without one the lock waits for the process's work forever."""
-    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
-
-
 def note(what: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)  # (where a hang stopped)
 
 
-def checkpoint_cycle(lib, pid: int, lock_ms: int, between=None) -> dict:
-    """Lock, checkpoint, restore, unlock `pid`; each call's result and seconds, and the
-    GPU's used memory after the checkpoint and after the restore. `between`: called after
-    the checkpoint, before the restore; what it returns is kept under "between"."""
+def checkpoint_cycle(pid: int, between=None) -> dict:
+    """Lock, checkpoint, restore, unlock `pid` (ipc/cuda_checkpoint.py, a call at a time);
+    each call's result and seconds, and the GPU's used memory after the checkpoint and
+    after the restore. `between`: called after the checkpoint, before the restore; what it
+    returns is kept under "between"."""
     out = {}
     for step in ("Lock", "Checkpoint", "Restore", "Unlock"):
-        call = getattr(lib, f"cuCheckpointProcess{step}")
         note(f"cuCheckpointProcess{step}({pid})")
-        t, answer = time.perf_counter(), []
-        # (in a thread: a call the driver never returns from would hold the probe, signals and all)
-        worker = threading.Thread(target=lambda: answer.append(
-            call(ctypes.c_int(pid), ctypes.byref(LockArgs(lock_ms)) if step == "Lock" else None)), daemon=True)
-        worker.start()
-        worker.join(CALL_TIMEOUT)
-        if not answer:
-            out[step.lower()] = {"result": f"no answer in {CALL_TIMEOUT:.0f} s"}
-            break
-        rc = answer[0]
-        out[step.lower()] = {"result": error_name(lib, rc), "seconds": round(time.perf_counter() - t, 4)}
+        t = time.perf_counter()
+        try:
+            cuda_checkpoint.call(step, pid)
+            result = "CUDA_SUCCESS"
+        except cuda_checkpoint.CheckpointError as e:
+            result = str(e)
+        out[step.lower()] = {"result": result, "seconds": round(time.perf_counter() - t, 4)}
         if step in ("Checkpoint", "Restore"):
             out[step.lower()]["used_mib_after"] = used_mib()
-        if rc != 0:
+        if result != "CUDA_SUCCESS":
             break
         if step == "Checkpoint" and between is not None:
             out["between"] = between()
     return out
 
 
-def unmap_first(lib, lock_ms: int, imp: subprocess.Popen, imp_sock: socket.socket, exp_sock: socket.socket,
+def unmap_first(imp: subprocess.Popen, imp_sock: socket.socket, exp_sock: socket.socket,
                 before: dict) -> dict:
     """The --unmap-first sequence (above); each step's answer and the memory used after it."""
     out = {}
@@ -215,7 +179,7 @@ def unmap_first(lib, lock_ms: int, imp: subprocess.Popen, imp_sock: socket.socke
         renewed.append((info, fds))
         return {"used_mib_arena_freed": freed, "used_mib_arena_again": used_mib()}
 
-    out["cycle"] = checkpoint_cycle(lib, imp.pid, lock_ms, renew)
+    out["cycle"] = checkpoint_cycle(imp.pid, renew)
     if renewed and out["cycle"].get("unlock", {}).get("result") == "CUDA_SUCCESS":
         info, fds = renewed[0]
         note("importer: the new arena at the old address")
@@ -243,7 +207,7 @@ def main() -> None:
 
     signal.signal(signal.SIGALRM, stop)
     signal.alarm(args.timeout)
-    lib = cu()
+    cuda_checkpoint.LOCK_TIMEOUT_MS = args.lock_ms
     result = {"mib": args.mib, "used_mib_before": used_mib()}
     exp, exp_sock = spawn("exporter", args.mib)
     imp, imp_sock = spawn("importer", args.mib)
@@ -257,10 +221,10 @@ def main() -> None:
         result["sums_before"] = receive(imp_sock)[0]["sums"]
         result["used_mib_both_up"] = used_mib()
         if args.unmap_first:
-            result["unmap_first"] = unmap_first(lib, args.lock_ms, imp, imp_sock, exp_sock, result["sums_before"])
+            result["unmap_first"] = unmap_first(imp, imp_sock, exp_sock, result["sums_before"])
             raise TimeoutError("done")  # (the cycles below are the probe without --unmap-first)
         for name, proc in (("importer", imp), ("exporter", exp)):
-            result[f"checkpoint_{name}"] = checkpoint_cycle(lib, proc.pid, args.lock_ms)
+            result[f"checkpoint_{name}"] = checkpoint_cycle(proc.pid)
             note(f"importer: its sums after the {name}'s cycle")
             send(imp_sock, {"check": True})
             result[f"after_{name}"] = receive(imp_sock)[0]

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from preload.checkpoint.identity import IdentityError
 from preload.ipc.arena import map_arena
 from preload.ipc.client import DaemonClient, DaemonUnavailable
-from preload.ipc.manifest import FILE_PREFIX, Manifest
+from preload.ipc.manifest import FILE_PREFIX, ArenaInfo, Manifest
 from preload.ipc.protocol import default_state_dir
 from preload.ipc.views import tensor_views
 
@@ -42,6 +43,18 @@ class AttachedWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+    def let_go_of_memory(self) -> None:
+        """The arena unmapped and let go, its addresses kept (a cuda-vmm mapping's
+        let_go_keeping_address): the views stay, unreadable until map_again."""
+        self._arena.let_go_keeping_address()
+
+    def map_again(self, info: ArenaInfo, fds: list[int], fingerprint: str) -> None:
+        """The daemon's new arena of the same bytes (its `fingerprint` says so) where the
+        last one was: every view reads it."""
+        if fingerprint != self.fingerprint:
+            raise IdentityError(f"the daemon offers weights {fingerprint[:12]}, not these ({self.fingerprint[:12]})")
+        self._arena.map_again(info, fds)
 
     def close(self) -> None:
         """Tell the daemon we are done; views already handed out stay valid until freed."""

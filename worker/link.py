@@ -11,11 +11,18 @@ Messages are JSON, one per packet:
                                                               slot's cores (level 1 or 2); its requests wait
                     {"sleeping": false}                       to a front: `preload wake`; the slot's new cores
                                                               follow, each saying hello as a restart's does
+                    {"release": true}                         to a spare kept through a level-1 sleep: let go
+                                                              of the daemon's memory, its addresses kept
+                    {"remap": true, "arena": {"transport": t, "size": n, "device": d}, "fingerprint": f} + fd
+                                                              to that spare at the wake: the weights again, at
+                                                              those addresses (preloadd/sleeping.py)
   worker -> daemon  {"event": "warm"}                         attached and warmed up, waiting for a slot
                     {"event": "ready", "kv_cache_bytes": n, "kv_memory_bytes": m} + fd
                                                               accepting on the shared socket; the fd of its KV
                                                               memory (ipc/kv_memory.py), for the slot's next worker
                     {"event": "beat", "steps": s, "busy": b}  every HEARTBEAT_INTERVAL seconds
+                    {"event": "released"}, {"event": "remapped"}, {"event": "kept_failed", "why": w}
+                                                              a kept spare: done, or it cannot be kept
 
 The beats let the daemon find a worker that is frozen (no beat at all) or whose engine
 has work but makes no step. When the daemon dies, a spare reads EOF and exits; a
@@ -84,15 +91,31 @@ class DaemonLink:
         except OSError:
             return False
 
-    def wait_for_slot(self) -> int | None:
-        """Block until the daemon gives us a slot; None if it went away first."""
-        try:
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
-        except OSError:
-            return None
-        if not data:
-            return None
-        msg = json.loads(data)
+    def wait_for_slot(self, let_go: Callable[[], None] = lambda: None,
+                      map_again: Callable[[dict, list[int]], None] = lambda msg, fds: None) -> int | None:
+        """Block until the daemon gives us a slot; None if it went away first. Meanwhile a
+        spare kept through a sleep lets go of the daemon's memory when told (`let_go`) and
+        maps it again at the wake (`map_again(msg, fds)`), saying so, or why it cannot."""
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            except OSError:
+                return None
+            if not data:
+                return None
+            msg = json.loads(data)
+            if "slot" in msg:
+                break
+            try:
+                if msg.get("release"):
+                    let_go()
+                    self.report("released")
+                elif msg.get("remap"):
+                    map_again(msg, fds)
+                    self.report("remapped")
+            except Exception as e:  # noqa: BLE001 (the daemon kills a spare it cannot keep; it says why here)
+                log.warning("cannot be kept through the sleep: %s", e)
+                self.report("kept_failed", why=f"{type(e).__name__}: {e}")
         slot = int(msg["slot"])
         self.takeover = str(msg.get("takeover", "first"))
         if fds:

@@ -16,6 +16,7 @@ from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.devices import resolve_device_name
 from preload.kernels import ahead
 from preload.ipc.kv_memory import KvMemory
+from preload.ipc.manifest import ArenaInfo
 from preload.ipc.packed_weights import load_checkpoint
 from preload.options import CPU_KV_CACHE_BYTES, QUANT_MODES, EngineOptions
 from preload.worker.attach import attach
@@ -208,6 +209,19 @@ class LLM:
         self.engine = None
         if memory is not None:
             memory.close()
+
+    def let_go_of_weights(self) -> None:
+        """A spare kept through a level-1 sleep (preloadd/sleeping.py): the daemon's arena
+        let go, its addresses kept, so that the driver can checkpoint the rest of this
+        process's device state (ipc/cuda_checkpoint.py); map_weights_again at the wake."""
+        if self.attached is None or self.leader is not None or (self._draft is not None and self._draft[2] is not None):
+            raise RuntimeError("only a worker mapping one daemon's weights alone can be kept through a sleep")
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # (what the allocator keeps unused would be checkpointed and restored too)
+        self.attached.let_go_of_memory()
+
+    def map_weights_again(self, info: ArenaInfo, fds: list[int], fingerprint: str) -> None:
+        self.attached.map_again(info, fds, fingerprint)
 
     def close(self) -> None:
         self._drop_engine()

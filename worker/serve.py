@@ -33,6 +33,7 @@ import uvicorn
 
 from preload.ipc.client import DaemonUnavailable
 from preload.ipc.kv_memory import KvMemory
+from preload.ipc.manifest import ArenaInfo
 from preload.ipc.protocol import default_state_dir, log_output_to
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
@@ -189,7 +190,7 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     if not lazy_graphs:
         capture_prompt_graphs(llm)
     link.report("warm")
-    slot = link.wait_for_slot()
+    slot = link.wait_for_slot(llm.let_go_of_weights, lambda msg, fds: map_weights_again(llm, msg, fds))
     if slot is None:
         log.info("the daemon went away before giving this worker a slot")
         llm.close()
@@ -213,6 +214,18 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     finally:
         core.close()
         llm.close()
+
+
+def map_weights_again(llm: LLM, msg: dict, fds: list[int]) -> None:
+    """A spare kept through a sleep, at the wake: the daemon's new arena (its fd in `fds`)
+    where the last one was (worker/link.py's "remap")."""
+    try:
+        llm.map_weights_again(ArenaInfo.from_wire(msg["arena"]), fds, str(msg["fingerprint"]))
+    except BaseException:
+        for fd in fds:  # (not taken)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
 
 
 def capture_prompt_graphs(llm: LLM) -> None:

@@ -97,3 +97,31 @@ def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte(monkeypatch):
     assert torch.equal(mapped.base[:size].cpu(), data)
     mapped.close()
     back.close()
+
+
+def test_the_warm_spare_is_kept_through_level_1_and_takes_the_slot_at_the_wake(model_dir, tmp_path):
+    """Where the driver checkpoints a process (ipc/cuda_checkpoint.py), the sleep keeps the
+    warm spare: it lets go of the weights, their addresses kept, and the driver moves the
+    rest of its device state to host memory; at the wake it maps the new weights where the
+    old ones were and takes the slot (preloadd/sleeping.py): the same process serves after
+    the wake, with the same greedy text, and the device held only the daemon's context."""
+    import psutil
+
+    from preload.ipc import cuda_checkpoint
+
+    if not cuda_checkpoint.available():
+        pytest.skip("this driver has no cuCheckpointProcess* calls: spares are let go at sleep")
+    context, baseline, port = a_context(), used(), free_port()
+    args = (*start_args(port, 1, "--spare-workers", 1), "--device", "cuda:0", "--gpu-memory-utilization", "0.5")
+    with running_daemon(tmp_path / "state", model_dir, *args) as d:
+        assert wait_for(lambda: [s["state"] for s in d.status()["spares"]] == ["standby"], timeout=300), \
+            (d.status()["spares"], logs(d.state_dir))
+        before, spare = text(port), d.status()["spares"][0]["pid"]
+        r = preload("sleep", "--state-dir", d.state_dir, "--level", "1", timeout=300)
+        assert r.returncode == 0 and "1 spare(s) kept" in r.stdout, r.stdout + r.stderr + logs(d.state_dir)
+        assert psutil.pid_exists(spare) and used() - baseline <= context + (64 << 20)
+        r = preload("wake", "--state-dir", d.state_dir, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert d.status()["workers"][0]["pid"] == spare, (d.status(), logs(d.state_dir))
+        assert text(port) == before
+        assert f"spare (pid {spare}) kept through the sleep" in (d.state_dir / "daemon.log").read_text()
