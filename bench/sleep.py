@@ -100,7 +100,8 @@ def cycle(state_dir: Path, api_port: int, level: int, spares: int, gpu: Gpu | No
     asleep_s, s = ask(state_dir, lambda s: (s.get("sleep") or {}).get("asleep"), op="sleep", level=level)
     if s["sleep"].get("error"):
         raise RuntimeError(f"sleep level {level}: {s['sleep']['error']}")
-    out = {"level": level, "sleep_s": asleep_s, "host_bytes": s["sleep"]["host_bytes"]}
+    out = {"level": level, "sleep_s": asleep_s, "host_bytes": s["sleep"]["host_bytes"],
+           "spares_kept": s["sleep"].get("spares_kept", 0)}  # (through the sleep: preloadd/sleeping.py)
     if gpu is not None:
         out["asleep_used_mib"] = gpu.used_mib()
     answered: dict = {}
@@ -165,6 +166,7 @@ def summary(runs: list[dict]) -> dict:
         "wake_serving_s": quantiles(r["wake_serving_s"] for r in runs),
         "spares_standby_s": quantiles(r["spares_standby_s"] for r in runs),
         "same_output": sum(r["same_output"] for r in runs),
+        "spares_kept": sum(r["spares_kept"] for r in runs),
         "errors": [r["error"] for r in runs if r["error"]],
         "freed_share_min": min((r["freed_share"] for r in runs if "freed_share" in r), default=None),
         "growth": {k: last[k] - first[k] for k in first if first[k] is not None and last[k] is not None},
@@ -179,14 +181,14 @@ def format_table(result: dict) -> str:
              f"cold start (`preload start` to exit 0) {sec(result['cold_start_s'])} s"
              + (f"; the daemon held {result['device_held_mib']} MiB of the device" if result["device_held_mib"] else ""),
              ""]
-    widths = (6, 12, 14, 16, 12, 12, 10)
-    lines.append(row(("level", "sleep p50", "wake to ready", "wake to serving", "(max)", "freed (min)", "same out"),
-                     widths))
+    widths = (6, 12, 14, 16, 12, 12, 10, 8)
+    lines.append(row(("level", "sleep p50", "wake to ready", "wake to serving", "(max)", "freed (min)", "same out",
+                      "kept"), widths))
     for level, s in result["levels_summary"].items():
         freed = f"{100 * s['freed_share_min']:.1f}%" if s["freed_share_min"] is not None else "-"
         n = sum(r["level"] == int(level) for r in result["runs"])
         lines.append(row((level, sec(s["sleep_s"]["p50"]), sec(s["wake_ready_s"]["p50"]), sec(s["wake_serving_s"]["p50"]),
-                          sec(s["wake_serving_s"]["max"]), freed, f"{s['same_output']}/{n}"), widths))
+                          sec(s["wake_serving_s"]["max"]), freed, f"{s['same_output']}/{n}", s["spares_kept"]), widths))
     lines.append("")
     for level, s in result["levels_summary"].items():
         g = s["growth"]
@@ -195,5 +197,6 @@ def format_table(result: dict) -> str:
                      + (f", device {g['device_used_mib']:+d} MiB" if "device_used_mib" in g else "")
                      + (f"; errors: {s['errors'][:2]}" if s["errors"] else ""))
     lines += ["", "wake to serving: the wake asked, with a streamed completion sent at that moment, to its first"
-              " token; freed: of the device memory the daemon held, at sleep"]
+              " token; freed: of the device memory the daemon held, at sleep; kept: spares kept through the sleeps"
+              " (a GPU whose driver checkpoints processes, level 1), the slot's core after the wake"]
     return "\n".join(lines)
