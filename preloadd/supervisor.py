@@ -39,7 +39,7 @@ from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
 from preload.preloadd.rolling import RollingRestart, restart_now
-from preload.preloadd.sleeping import cores_left, on_kept_event, sleep_message, sleep_request, tell
+from preload.preloadd.sleeping import KEPT, cores_left, on_kept_event, sleep_message, sleep_request, tell
 from preload.preloadd.workers import (OwnStalls, Slot, Worker, become_subreaper, close_fds, describe_exit, drain_pipe,
                                       reap, reap_orphans, unregister)
 
@@ -456,6 +456,8 @@ class Supervisor:
             w.retiring = True  # exits from here on are expected
             if w.told:
                 w.signal(signal.SIGTERM)
+            elif w.state in KEPT:  # (checkpointed by the driver, it could not even exit until restored)
+                w.kill("daemon stopping")
             else:
                 self.retire_spare(w)  # waiting for a slot: EOF ends it
 

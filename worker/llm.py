@@ -71,6 +71,7 @@ class LLM:
             raise ValueError(f"quant {quant!r} not supported; choose one of {', '.join(QUANT_MODES)}")
         self.attached = None
         self._draft = None  # (what --speculative-config named, the draft model, its attachment or None)
+        self.weights_let_go = False  # a spare kept through a sleep, between its release and its remap
         if state_dir is not None:
             weights = self._attach(state_dir, model, quant, device, dtype, dp_rank)
         elif model is None:
@@ -219,9 +220,11 @@ class LLM:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # (what the allocator keeps unused would be checkpointed and restored too)
         self.attached.let_go_of_memory()
+        self.weights_let_go = True
 
     def map_weights_again(self, info: ArenaInfo, fds: list[int], fingerprint: str) -> None:
         self.attached.map_again(info, fds, fingerprint)
+        self.weights_let_go = False
 
     def close(self) -> None:
         self._drop_engine()

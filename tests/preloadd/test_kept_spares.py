@@ -103,3 +103,19 @@ def test_the_daemon_lets_a_kept_spare_go_when_the_driver_cannot_keep_it(tree):
     on_kept_event(sup, spare, "released", {})
     sleep_request(sup, "kept", ("let_go", (spare.pid, "not kept through the sleep: cuCheckpointProcessCheckpoint failed")))
     assert spare.retiring and spare.proc.wait(10) == -9 and cores_left(sup) == 3
+
+
+def test_a_daemon_stopping_while_asleep_kills_a_kept_spare_at_once(tree):
+    """Checkpointed by the driver, a kept spare could not even exit on its link's EOF (its
+    close waits on CUDA): it is killed, the others are stopped as ever."""
+    from preload.preloadd.supervisor import Supervisor
+
+    sup, ends = tree
+    spare, warming = by(sup, "core", "standby"), by(sup, "core", "warming")
+    sleep_request(sup, "sleep", (1, True))
+    on_kept_event(sup, spare, "released", {})
+    retired = []
+    sup.retire_spare = retired.append
+    Supervisor._begin_stop(sup, 5.0)
+    assert spare.kill_reason == "daemon stopping" and spare.proc.wait(10) == -9
+    assert retired == [warming]  # (a spare not kept, waiting for a slot: its link's EOF ends it)
