@@ -67,11 +67,11 @@ def _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_po
 
 # Not specialized on `lo` and `hi` (a chunk's key range: prompt lengths decide them): Triton
 # compiles a variant per integer argument's divisibility by 16, so serving met variants a
-# warm-up had not and compiled them mid-step (a likely part of what, on an H100 on a fresh
-# host, made workload B's first prompt steps 158 ms, 33 once its cache held what they
-# compiled; a mixed step's decode rows, eager there, vary mla_decode's split count too).
-# tests/gpu/test_kernels_ahead.py holds that a prompt of a new length compiles nothing.
-# Neither feeds an address's alignment.
+# warm-up had not and compiled them mid-step (what made a fresh H100 host's first prompt
+# steps of workload B 204 ms against 36, with mla_decode's variants: results/kernels/
+# compiled-while-serving-v2lite-h100.txt; those an idle engine launches first:
+# worker/engine/attention_warmup.py). tests/gpu/test_kernels_ahead.py holds that a prompt
+# of a new length compiles nothing. Neither feeds an address's alignment.
 @triton.jit(do_not_specialize=["lo", "hi"])
 def _prefill_chunk(
     q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, q_starts_ptr, kv_starts_ptr, lens_ptr,

@@ -111,6 +111,11 @@ def remap_kept(sup: Supervisor, arenas: dict[int, tuple[dict, list[int]]]) -> No
                 pass  # it died meanwhile: its pidfd says so
 
 
+def remap_message(manifest) -> dict:
+    """What a kept spare is told at the wake (worker/link.py's "remap"), beside the arena's fd."""
+    return {"remap": True, "arena": manifest.arena.to_wire(), "fingerprint": manifest.fingerprint}
+
+
 def sleep_request(sup: Supervisor, op: str, arg) -> None:
     """A sleep, a wake, or an ask of the kept spares (Supervisor.kept: "remap" with the
     new arenas, "let_go" of one of them), in the supervisor's thread."""
@@ -308,9 +313,7 @@ class Sleeper:
                 restored.result()
             except Exception as e:  # noqa: BLE001 (not restored: killed, and the refill forks a core)
                 sup.kept("let_go", (pid, f"not kept through the sleep: {e}"))
-        m = [c.manifest for c in self.d.copies]
-        sup.kept("remap", {rank: ({"remap": True, "arena": m[rank].arena.to_wire(), "fingerprint": m[rank].fingerprint},
-                                  c.arena.fds()) for rank, c in enumerate(self.d.copies)})
+        sup.kept("remap", {rank: (remap_message(c.manifest), c.arena.fds()) for rank, c in enumerate(self.d.copies)})
         deadline = time.monotonic() + REMAP_TIMEOUT
         while [x for x in sup.status()["spares"] if x["state"] in KEPT] and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -91,8 +91,7 @@ class DaemonLink:
         except OSError:
             return False
 
-    def wait_for_slot(self, let_go: Callable[[], None] = lambda: None,
-                      map_again: Callable[[dict, list[int]], None] = lambda msg, fds: None) -> int | None:
+    def wait_for_slot(self, let_go: Callable[[], None], map_again: Callable[[dict, list[int]], None]) -> int | None:
         """Block until the daemon gives us a slot; None if it went away first. Meanwhile a
         spare kept through a sleep lets go of the daemon's memory when told (`let_go`) and
         maps it again at the wake (`map_again(msg, fds)`), saying so, or why it cannot."""
@@ -111,8 +110,11 @@ class DaemonLink:
                     let_go()
                     self.report("released")
                 elif msg.get("remap"):
-                    map_again(msg, fds)
+                    map_again(msg, fds)  # (takes the fd, or closes it)
                     self.report("remapped")
+                else:
+                    for fd in fds:  # (nothing else comes with one)
+                        os.close(fd)
             except Exception as e:  # noqa: BLE001 (the daemon kills a spare it cannot keep; it says why here)
                 log.warning("cannot be kept through the sleep: %s", e)
                 self.report("kept_failed", why=f"{type(e).__name__}: {e}")

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from preload.preloadd.sleeping import cores_left, on_kept_event, sleep_request
+from preload.ipc.manifest import ArenaInfo
+from preload.preloadd.sleeping import cores_left, on_kept_event, remap_message, sleep_request
 from preload.preloadd.workers import Slot, Worker
 
 
@@ -70,7 +71,8 @@ def test_a_sleep_that_keeps_spares_tells_the_warm_one_and_kills_the_rest(tree):
     on_kept_event(sup, spare, "released", {})
     assert spare.state == "released" and cores_left(sup) == 2
     read_end, write_end = os.pipe()
-    arena = {"remap": True, "arena": {"transport": "cuda-vmm", "size": 2 << 20, "device": 0}, "fingerprint": "f"}
+    arena = remap_message(SimpleNamespace(arena=ArenaInfo("cuda-vmm", 2 << 20, 0), fingerprint="f"))
+    assert arena == {"remap": True, "arena": {"transport": "cuda-vmm", "size": 2 << 20, "device": 0}, "fingerprint": "f"}
     sleep_request(sup, "kept", ("remap", {0: (arena, [read_end])}))
     msg, fds = said(ends[spare.pid])
     assert msg == arena and len(fds) == 1 and os.fstat(fds[0]).st_ino == os.fstat(read_end).st_ino
