@@ -144,9 +144,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_u
     context is longer (the kernel's split count follows it, the reference's gather width).
     -> [B, H, dv]."""
     q_lat = per_head(q_nope, w_uk.transpose(1, 2))
-    rank, rope = q_lat.shape[-1], q_pe.shape[-1]
-    # Triton's tiles are powers of two, and its dot products at least 16 deep.
-    if q_lat.is_cuda and pools.ptrs is not None and all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope)):
+    if q_lat.is_cuda and pools.ptrs is not None and decode_kernel_takes(q_lat.shape[-1], q_pe.shape[-1]):
         from preload.kernels.mla_decode import mla_decode_latent  # Triton: imported only where there is a GPU
 
         out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), pools, block_table, context_lens, block_size,
@@ -154,6 +152,15 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_u
     else:
         out = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)
     return per_head(out, w_uv)
+
+
+def decode_kernel_takes(rank: int, rope: int) -> bool:
+    """Whether a GPU's decode attention runs the Triton kernel (mla_decode.py) for latents
+    of `rank` and rope parts of `rope` dimensions: its tiles are powers of two, its dot
+    products at least 16 deep. The kernel finds the cache through `Pools.ptrs`, so a CUDA
+    graph of it serves any later cache; torch's reference, which takes the other shapes,
+    reads the pools' own tensors, whose addresses a graph bakes in."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope))
 
 
 def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from preload.checkpoint.reader import resolve_dtype
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.devices import resolve_device_name
 from preload.kernels import ahead
+from preload.kernels.attention import decode_kernel_takes
 from preload.ipc.kv_memory import KvMemory
 from preload.ipc.manifest import ArenaInfo
 from preload.ipc.packed_weights import load_checkpoint
@@ -113,7 +114,7 @@ class LLM:
         graphs = prompt_graphs = draft_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             layout = (config.block_size, config.kv_cache_dtype, config.speculative_config)
-            if self.graphs is None or self._graph_layout != layout:
+            if self.graphs is None or self._graph_layout != layout or not self._graphs_follow_the_cache(draft):
                 self.graphs, self.draft_graphs = self._decode_graphs(config, spec, draft)
                 self._graph_layout = layout
                 self.prompt_graphs = None  # (they write the cache through the decode graphs' address table)
@@ -135,6 +136,14 @@ class LLM:
         self.stop_ids = self.engine.stop_ids
         if self.leader is not None:
             self.leader.lead(self.engine)
+
+    def _graphs_follow_the_cache(self, draft: Transformer | None) -> bool:
+        """Whether graphs captured against one cache serve a later one (a spare's, captured
+        against its warm-up cache, on its slot's): only where every decode attention runs
+        the kernel that reads the cache's addresses from the graphs' table; a test model's
+        odd shapes take torch's reference, which would go on reading the first cache."""
+        return all(decode_kernel_takes(m.cfg.kv_lora_rank, m.cfg.qk_rope_head_dim) for m in (self.model, draft)
+                   if m is not None)
 
     def _load(self, model_dir: Path, quant: str, device: str, dtype: str | None) -> Weights:
         self.config = ModelConfig.from_dir(model_dir)

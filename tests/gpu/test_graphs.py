@@ -135,6 +135,26 @@ def test_graphs_serve_a_new_cache_after_capture():
     assert_same_greedy(got, want)
 
 
+def test_graphs_are_captured_again_for_a_new_cache_where_attention_reads_the_pools_directly(model_dir):
+    """The conftest's model has rope parts of 8 dimensions, which the Triton decode kernel
+    does not take: torch's reference reads the pools' own tensors, so a graph of it would
+    go on reading the first cache (a spare's warm-up cache, freed when it takes its slot:
+    it served other text than the worker it replaced). A new engine captures new graphs."""
+    options = EngineOptions(kv_cache_memory=4 << 20, max_num_seqs=8)
+    graphed = LLM(model_dir, device="cuda", engine=options)
+    first = graphed.graphs
+    graphed.start_engine(replace(options, kv_cache_memory=64 << 20))
+    assert graphed.graphs is not first and graphed.graphs.graphs
+    eager = LLM(model_dir, device="cuda", engine=replace(options, kv_cache_memory=64 << 20, enforce_eager=True))
+    gen = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    calls = counted_replays(graphed)
+    got = graphed.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
+    want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
+    assert calls
+    assert_same_greedy(got, want)
+
+
 def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or_while_idle():
     """A worker a slot waits for (lazy_graphs) is ready with the largest bucket alone, which
     every decode batch fits; a bucket is captured at its first use (a busy engine would
