@@ -181,14 +181,15 @@ def format_table(result: dict) -> str:
              f"cold start (`preload start` to exit 0) {sec(result['cold_start_s'])} s"
              + (f"; the daemon held {result['device_held_mib']} MiB of the device" if result["device_held_mib"] else ""),
              ""]
-    widths = (6, 12, 14, 16, 12, 12, 10, 8)
+    widths = (6, 12, 14, 16, 12, 12, 10, 8, 12)
     lines.append(row(("level", "sleep p50", "wake to ready", "wake to serving", "(max)", "freed (min)", "same out",
-                      "kept"), widths))
+                      "kept", "spare back"), widths))
     for level, s in result["levels_summary"].items():
         freed = f"{100 * s['freed_share_min']:.1f}%" if s["freed_share_min"] is not None else "-"
         n = sum(r["level"] == int(level) for r in result["runs"])
         lines.append(row((level, sec(s["sleep_s"]["p50"]), sec(s["wake_ready_s"]["p50"]), sec(s["wake_serving_s"]["p50"]),
-                          sec(s["wake_serving_s"]["max"]), freed, f"{s['same_output']}/{n}", s["spares_kept"]), widths))
+                          sec(s["wake_serving_s"]["max"]), freed, f"{s['same_output']}/{n}", s["spares_kept"],
+                          sec(s["spares_standby_s"]["p50"])), widths))
     lines.append("")
     for level, s in result["levels_summary"].items():
         g = s["growth"]
@@ -198,5 +199,6 @@ def format_table(result: dict) -> str:
                      + (f"; errors: {s['errors'][:2]}" if s["errors"] else ""))
     lines += ["", "wake to serving: the wake asked, with a streamed completion sent at that moment, to its first"
               " token; freed: of the device memory the daemon held, at sleep; kept: spares kept through the sleeps"
-              " (a GPU whose driver checkpoints processes, level 1), the slot's core after the wake"]
+              " (a GPU whose driver checkpoints processes, level 1: restored while a fork takes the slot); spare back:"
+              " p50 from that answer to every spare standing by again"]
     return "\n".join(lines)

@@ -99,12 +99,17 @@ def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte(monkeypatch):
     back.close()
 
 
-def test_the_warm_spare_is_kept_through_level_1_and_takes_the_slot_at_the_wake(model_dir, tmp_path):
+def test_the_warm_spare_is_kept_through_level_1_and_is_the_warm_spare_after_the_wake(model_dir, tmp_path):
     """Where the driver checkpoints a process (ipc/cuda_checkpoint.py), the sleep keeps the
     warm spare: it lets go of the weights, their addresses kept, and the driver moves the
-    rest of its device state to host memory; at the wake it maps the new weights where the
-    old ones were and takes the slot (preloadd/sleeping.py): the same process serves after
-    the wake, with the same greedy text, and the device held only the daemon's context."""
+    rest of its device state to host memory; at the wake a fork takes the slot (faster than
+    the driver's restore) and the spare, restored, maps the new weights where the old ones
+    were (preloadd/sleeping.py): the same process is the standby spare after the wake, no
+    other forked, and serves the same greedy text when the slot's core dies; meanwhile the
+    device held only the daemon's context."""
+    import os
+    import signal
+
     import psutil
 
     from preload.ipc import cuda_checkpoint
@@ -122,6 +127,13 @@ def test_the_warm_spare_is_kept_through_level_1_and_takes_the_slot_at_the_wake(m
         assert psutil.pid_exists(spare) and used() - baseline <= context + (64 << 20)
         r = preload("wake", "--state-dir", d.state_dir, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert d.status()["workers"][0]["pid"] == spare, (d.status(), logs(d.state_dir))
         assert text(port) == before
+        core = d.status()["workers"][0]["pid"]
+        assert core != spare
+        assert wait_for(lambda: [(s["pid"], s["state"]) for s in d.status()["spares"]] == [(spare, "standby")],
+                        timeout=60), (d.status()["spares"], logs(d.state_dir))
         assert f"spare (pid {spare}) kept through the sleep" in (d.state_dir / "daemon.log").read_text()
+        os.kill(core, signal.SIGKILL)
+        assert wait_for(lambda: (w := d.status()["workers"][0])["pid"] == spare and w["state"] == "ready",
+                        timeout=60), (d.status(), logs(d.state_dir))
+        assert text(port) == before

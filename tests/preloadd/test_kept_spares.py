@@ -77,7 +77,7 @@ def test_a_sleep_that_keeps_spares_tells_the_warm_one_and_kills_the_rest(tree):
     msg, fds = said(ends[spare.pid])
     assert msg == arena and len(fds) == 1 and os.fstat(fds[0]).st_ino == os.fstat(read_end).st_ino
     on_kept_event(sup, spare, "remapped", {})
-    assert spare.state == "standby" and spare.proc.poll() is None  # (the wake's refill gives it a slot)
+    assert spare.state == "standby" and spare.proc.poll() is None  # (a warm spare again)
     for fd in (read_end, write_end, *fds):
         os.close(fd)
 
@@ -121,3 +121,28 @@ def test_a_daemon_stopping_while_asleep_kills_a_kept_spare_at_once(tree):
     Supervisor._begin_stop(sup, 5.0)
     assert spare.kill_reason == "daemon stopping" and spare.proc.wait(10) == -9
     assert retired == [warming]  # (a spare not kept, waiting for a slot: its link's EOF ends it)
+
+
+def test_at_the_wake_a_slot_gets_a_fork_while_the_kept_spare_is_being_restored(tree):
+    """The driver restores a kept spare in 2.4 s on an H100 with V2-Lite, where a fork
+    serves 1.4 s after the weights are back: the slot goes to a fork, and the kept spare,
+    still a spare of the pool (none other is forked for it), is the warm spare once it
+    maps the weights again; then it takes a slot as any standby spare does."""
+    from preload.preloadd.supervisor import Supervisor
+
+    sup, ends = tree
+    spare = by(sup, "core", "standby")
+    sleep_request(sup, "sleep", (1, True))
+    on_kept_event(sup, spare, "released", {})
+    forked, told = [], []
+    sup.idle_spares = lambda dp_rank=None: Supervisor.idle_spares(sup, dp_rank)
+    sup.dp_rank, sup._can_fork = (lambda slot: 0), (lambda: True)
+    sup.spawn = lambda slot: forked.append(slot) or SimpleNamespace(slot=slot)
+    sup.go = told.append
+    Supervisor._fill(sup, 0)
+    assert forked == [0] and spare.slot is None and spare.state == "released"
+    assert sup.idle_spares(0) == [spare]  # (the pool's spare: the refill forks no other)
+
+    on_kept_event(sup, spare, "remapped", {})
+    Supervisor._fill(sup, 0)
+    assert forked == [0] and spare.slot == 0 and told[-1] is spare
