@@ -199,6 +199,6 @@ def format_table(result: dict) -> str:
                      + (f"; errors: {s['errors'][:2]}" if s["errors"] else ""))
     lines += ["", "wake to serving: the wake asked, with a streamed completion sent at that moment, to its first"
               " token; freed: of the device memory the daemon held, at sleep; kept: spares kept through the sleeps"
-              " (a GPU whose driver checkpoints processes, level 1: restored while a fork takes the slot); spare back:"
+              " (level 1 on a GPU: on the device, their weights let go; the slot's core after the wake); spare back:"
               " p50 from that answer to every spare standing by again"]
     return "\n".join(lines)

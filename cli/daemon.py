@@ -217,7 +217,7 @@ def sleep(state_dir, level, timeout):
         sys.exit(1)
     held, kept = s["sleep"]["host_bytes"] / 2**30, s["sleep"].get("spares_kept", 0)
     click.echo(f"asleep (level {level}) in {time.monotonic() - t0:.2f} s; {held:.2f} GiB of weights held in host memory"
-               + (f"; {kept} spare(s) kept, their device state in host memory" if kept else ""))
+               + (f"; {kept} spare(s) kept on the device, their weights let go" if kept else ""))
 
 
 @click.command()

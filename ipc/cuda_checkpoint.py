@@ -9,8 +9,10 @@ CUDA_ERROR_NOT_SUPPORTED), as every worker maps the daemon's arena; it does once
 process has let the mapping go, its address range kept, and maps the memory there again
 after the restore: H100, driver 580.159.04, a process of 1,716 MiB checkpointed in 1.04 s
 and restored in 0.51 s, a CUDA graph captured before replayed to the same result
-(scripts/probe_cuda_checkpoint.py --unmap-first, results/probes). A spare kept through a
-level-1 sleep is such a process (preloadd/sleeping.py).
+(scripts/probe_cuda_checkpoint.py --unmap-first, results/probes). A warm spare kept through
+a level-1 sleep this way (7f89077, caec7b4) was restored in 2.4 s on that H100, slower than a
+fork serves after the wake: the sleep keeps its spares on the device instead
+(preloadd/sleeping.py, docs/operating.md); the probe uses this module.
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@ clients and their requests, told on their links that their slot sleeps (worker/f
 which the refill forks as at a start. A core killed for sleep is replaced as a restart's
 is (its takeover "restart"): nothing counts as a failure, nothing as a restart.
 
-At level 1 on a GPU whose driver can checkpoint a process (ipc/cuda_checkpoint.py), a
-warm spare is kept instead: told to, it lets go of the daemon's weights, their addresses
-kept (worker/link.py's "release"), and the daemon has the driver move the rest of its
-device state (context, kernels, graphs, warm-up cache) to host memory. At the wake the
-driver puts it back beside the weights' copy and the slots' new cores, and the spare maps
-the new arena where the old one was ("remap"): a warm spare again, with no fork, attach,
-first step or capture. It does not take a slot at the wake: on an H100 with V2-Lite the
-driver restores a spare in 2.4 s (2.9 beside the copy), while a fork serves 1.4 s after the
-weights are back (results/sleep). A spare that cannot be kept (the driver refuses, it maps
-another daemon's draft model) is killed, as without this.
+At level 1 on a GPU a warm spare is kept instead, on the device, as vLLM's level 1 keeps
+its processes: told to, it lets go of the daemon's weights, their addresses kept, and of
+what it can make again while idle (its prompt steps' graphs), holding its CUDA context and
+decode graphs (worker/link.py's "release"). At the wake, once the weights are back, it maps
+the new arena where the old one was ("remap") and the refill gives it the slot as after a
+core's death: a core ready without a fork, an attach, a first step or the largest graph's
+capture. (The driver's checkpoint of such a spare, ipc/cuda_checkpoint.py, freed its context
+too, but restored a V2-Lite spare in 2.4 s on an H100, where a fork serves 1.4 s after the
+weights are back: docs/operating.md.) A spare that cannot be kept (it maps another daemon's
+draft model, or does not let go in time) is killed, as without this.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from preload.ipc import cuda_checkpoint
 from preload.preloadd.rolling import cancel_restarts
 from preload.preloadd.workers import Worker
 
@@ -161,10 +159,8 @@ class Sleeper:
     weights to host memory (ipc/host_stash.py), then lets them go as level 2 does (on a CPU
     they stay where they are: host memory already). sleeping -> waking -> ready: the weights
     put back from host memory (level 1) or loaded again as a start does (level 2), then every
-    slot gets a core, ready when all are. Spares kept through a level-1 sleep (above) are
-    checkpointed by the driver once they let go of the weights, and restored beside the
-    wake's copy and the slots' new cores; once they map the weights again, they are warm
-    spares."""
+    slot gets a core, ready when all are: first the spares kept through a level-1 sleep
+    (above), once they map the weights again."""
 
     def __init__(self, daemon):
         self.d = daemon
@@ -174,9 +170,8 @@ class Sleeper:
         self.stashes: list = []  # level 1 on a GPU: (host copy, manifest) of each copy of the weights
         self.error: str | None = None  # what went wrong in the last sleep or wake (the weights stayed, or are not back)
         self.failed_wakes = 0  # wakes that left it asleep (`preload wake` says so, and can try again)
-        self.kept: list[int] = []  # the spares kept through this sleep, checkpointed by the driver (pids)
+        self.kept: list[int] = []  # the spares kept through this sleep (pids)
         self._letting_go: threading.Thread | None = None  # the last wake's host copies, freed meanwhile
-        self._remapping: threading.Thread | None = None  # the last wake's kept spares, restored meanwhile
         self._asked: queue.SimpleQueue = queue.SimpleQueue()
         self.poke = threading.Event()  # the main thread's wake-up
 
@@ -214,8 +209,6 @@ class Sleeper:
 
     def _sleep(self, level: int) -> None:
         d = self.d
-        if self._remapping is not None:
-            self._remapping.join()  # (the last wake's kept spares, standby before this sleep asks them to let go)
         d.state, self.level, self.since, self.error, self.failed_wakes = "sleeping", level, time.time(), None, 0
         keep = level == 1 and self._can_keep_spares()
         d.supervisor.sleep(level, keep_spares=keep)
@@ -223,7 +216,7 @@ class Sleeper:
         while self._letting_go_of_cores() and time.monotonic() < deadline:
             time.sleep(0.02)
         if keep:
-            self._suspend_kept()
+            self._count_kept()
         if level == 1 and d.r.device != "cpu":
             self._to_host()
         if level == 2 or self.stashes:
@@ -236,7 +229,6 @@ class Sleeper:
         d.state, self.asleep, self.error = "waking", False, None
         t0 = time.monotonic()
         d.spawn_keeper()
-        resuming = self._resume_kept()  # (beside the weights' copy)
         try:
             if self.stashes:
                 self._from_host()
@@ -246,15 +238,10 @@ class Sleeper:
             log.error("wake: the weights are not back (%s); still asleep: `preload wake` tries again", e, exc_info=True)
             d.state, self.asleep, self.error = "sleeping", True, f"the wake failed: {e}"
             self.failed_wakes += 1
-            for pid in resuming:  # (restored, they would hold the device while asleep: new ones come at the wake)
-                d.supervisor.kept("let_go", (pid, "not kept: the wake failed"))
-            return
+            return  # (the kept spares stay kept, for the next wake)
         d.state = "waking"  # (a load said "loading" meanwhile)
-        # Forks fill the slots: the driver's restore of a kept spare takes longer (2.4 s on an H100 with V2-Lite,
-        # where a fork serves 1.4 s after the weights are back). Restored, it is a warm spare again.
+        self._remap_kept()
         d.supervisor.sleep(None)
-        self._remapping = threading.Thread(target=self._remap_kept, args=(resuming,), name="remap-kept", daemon=True)
-        self._remapping.start()
         deadline = time.monotonic() + d.opts.worker_start_timeout
         while not all(w["state"] == "ready" for w in d.supervisor.status()["workers"]):
             if time.monotonic() > deadline:
@@ -266,73 +253,40 @@ class Sleeper:
         log.info("awake in %.2f s", time.monotonic() - t0)
 
     def _can_keep_spares(self) -> bool:
-        """Spares are kept through a level-1 sleep on a GPU whose driver checkpoints a
-        process, where a spare maps nothing but these weights (no tensor-parallel group;
-        one that maps another daemon's draft model says it cannot be kept)."""
-        return (self.d.r.device != "cpu" and self.d.opts.worker.engine.tensor_parallel_size == 1
-                and cuda_checkpoint.available())
+        """Spares are kept through a level-1 sleep on a GPU, where a spare maps nothing but
+        these weights (no tensor-parallel group; one that maps another daemon's draft model
+        says it cannot be kept)."""
+        return self.d.r.device != "cpu" and self.d.opts.worker.engine.tensor_parallel_size == 1
 
     def _letting_go_of_cores(self) -> bool:
         s = self.d.supervisor.status()
         return bool(s.get("cores_left", 1)) or any(x["state"] == "releasing" for x in s["spares"])
 
-    def _suspend_kept(self) -> None:
-        """Each spare that let go of the weights checkpointed by the driver (in parallel: a
-        second each for a V2-Lite spare); one that cannot be, or did not let go, killed."""
-        sup, t0 = self.d.supervisor, time.monotonic()
+    def _count_kept(self) -> None:
+        """The spares that let go of the weights are kept; one that did not in time is killed."""
+        sup = self.d.supervisor
         for x in sup.status()["spares"]:
             if x["state"] == "releasing":
                 sup.kept("let_go", (x["pid"], "not kept through the sleep: it did not let go of the weights in time"))
-        pids = [x["pid"] for x in sup.status()["spares"] if x["state"] == "released"]
-        if not pids:
-            return
-        with ThreadPoolExecutor(len(pids), thread_name_prefix="suspend") as pool:
-            done = dict(zip(pids, pool.map(self._suspend, pids)))
-        self.kept = [pid for pid, ok in done.items() if ok]
-        log.info("sleep level 1: %d spare(s) kept, their device state in host memory in %.2f s", len(self.kept),
-                 time.monotonic() - t0)
+        self.kept = [x["pid"] for x in sup.status()["spares"] if x["state"] == "released"]
+        log.info("sleep level 1: %d spare(s) kept on the device, the weights let go", len(self.kept))
 
-    def _suspend(self, pid: int) -> bool:
-        try:
-            cuda_checkpoint.suspend(pid)
-            return True
-        except Exception as e:  # noqa: BLE001 (the driver's refusal, or anything else: killed as an unkept spare is)
-            self.d.supervisor.kept("let_go", (pid, f"not kept through the sleep: {e}"))
-            return False
-
-    def _resume_kept(self) -> dict:
-        """The kept spares' device state put back by the driver, in threads started now:
-        {pid: its future}."""
+    def _remap_kept(self) -> None:
+        """Each kept spare told the new arena of its rank, and waited for until it mapped it
+        where the last one was (a millisecond); one that does not is killed."""
         if not self.kept:
-            return {}
-        pool = ThreadPoolExecutor(len(self.kept), thread_name_prefix="resume")
-        resuming = {pid: pool.submit(timed, cuda_checkpoint.resume, pid) for pid in self.kept}
-        pool.shutdown(wait=False)
-        self.kept = []
-        return resuming
-
-    def _remap_kept(self, resuming: dict) -> None:
-        """Once restored, each kept spare told the new arena of its rank, and waited for
-        until it mapped it where the last one was; one that does not is killed."""
-        if not resuming:
             return
-        sup, t0, took = self.d.supervisor, time.monotonic(), []
-        for pid, restored in resuming.items():
-            try:
-                took.append(restored.result())
-            except Exception as e:  # noqa: BLE001 (not restored: killed, and the refill forks a core)
-                sup.kept("let_go", (pid, f"not kept through the sleep: {e}"))
-        t1 = time.monotonic()
+        sup, t0 = self.d.supervisor, time.monotonic()
         sup.kept("remap", {rank: (remap_message(c.manifest), c.arena.fds()) for rank, c in enumerate(self.d.copies)})
         deadline = time.monotonic() + REMAP_TIMEOUT
         while [x for x in sup.status()["spares"] if x["state"] in KEPT] and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.002)
         waiting = [x["pid"] for x in sup.status()["spares"] if x["state"] in KEPT]
         for pid in waiting:
             sup.kept("let_go", (pid, "not kept through the sleep: it did not map the weights again in time"))
-        log.info("wake: %d kept spare(s) restored (by the driver in %s s) and their weights mapped again, %.2f s after"
-                 " the weights were back (%.2f s of it mapping)", len(resuming) - len(waiting),
-                 "/".join(f"{x:.2f}" for x in took) or "-", time.monotonic() - t0, time.monotonic() - t1)
+        log.info("wake: %d kept spare(s) mapped the weights again in %.3f s", len(self.kept) - len(waiting),
+                 time.monotonic() - t0)
+        self.kept = []
 
     def _to_host(self) -> None:
         """Each copy of the weights copied to host memory, or none (then they stay on the
@@ -385,13 +339,6 @@ class Sleeper:
     def _drop_stashes(self) -> None:
         drop(self.stashes)
         self.stashes = []
-
-
-def timed(fn, *args) -> float:
-    """Seconds `fn(*args)` took."""
-    t = time.monotonic()
-    fn(*args)
-    return time.monotonic() - t
 
 
 def drop(stashes: list) -> None:

@@ -433,7 +433,7 @@ class Supervisor:
 
     def _fill(self, slot: int) -> None:
         """Put a worker in a vacant slot: a spare if there is one, else a fresh fork."""
-        # (Not a kept spare still being restored by the driver: 2.4 s on an H100, where a fork serves in 1.4.)
+        # (Not a kept spare that has not mapped the weights again: preloadd/sleeping.py.)
         spares = [w for w in self.idle_spares(self.dp_rank(slot)) if w.state not in KEPT]
         if spares:
             worker, via = spares[0], "spare"
@@ -457,7 +457,7 @@ class Supervisor:
             w.retiring = True  # exits from here on are expected
             if w.told:
                 w.signal(signal.SIGTERM)
-            elif w.state in KEPT:  # (checkpointed by the driver, it could not even exit until restored)
+            elif w.state in KEPT:  # (its weights let go: nothing to drain, and no close to wait for)
                 w.kill("daemon stopping")
             else:
                 self.retire_spare(w)  # waiting for a slot: EOF ends it

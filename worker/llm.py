@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,8 @@ from preload.worker.engine.speculative import SpecConfig
 from preload.worker.model.deepseek import Transformer, Weights
 from preload.worker.model.parallel import Ranks, rank_config, shard
 from preload.worker.tensor_group import Leader
+
+log = logging.getLogger("preload.worker")
 
 
 @dataclass
@@ -222,14 +225,22 @@ class LLM:
 
     def let_go_of_weights(self) -> None:
         """A spare kept through a level-1 sleep (preloadd/sleeping.py): the daemon's arena
-        let go, its addresses kept, so that the driver can checkpoint the rest of this
-        process's device state (ipc/cuda_checkpoint.py); map_weights_again at the wake."""
+        let go, its addresses kept (map_weights_again at the wake), and the device memory
+        this process can make again while idle: its prompt steps' graphs (the next engine
+        captures them: prompt_graphs.py) and what the allocator keeps unused. It keeps its
+        context and decode graphs."""
         if self.attached is None or self.leader is not None or (self._draft is not None and self._draft[2] is not None):
             raise RuntimeError("only a worker mapping one daemon's weights alone can be kept through a sleep")
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # (what the allocator keeps unused would be checkpointed and restored too)
+        before = torch.cuda.memory_reserved(self.device)
+        self.prompt_graphs = None
+        if self.engine is not None:
+            self.engine.prompt_graphs = None
+        torch.cuda.empty_cache()
         self.attached.let_go_of_memory()
         self.weights_let_go = True
+        log.info("kept through a sleep: the weights let go; %.0f MiB held by torch's allocator (%.0f before)",
+                 torch.cuda.memory_reserved(self.device) / 2**20, before / 2**20)
 
     def map_weights_again(self, info: ArenaInfo, fds: list[int], fingerprint: str) -> None:
         self.attached.map_again(info, fds, fingerprint)

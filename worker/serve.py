@@ -193,8 +193,8 @@ def serve_core(opts: ServeOptions, sock: socket.socket, link: DaemonLink, lazy_g
     slot = link.wait_for_slot(llm.let_go_of_weights, lambda msg, fds: map_weights_again(llm, msg, fds))
     if slot is None:
         log.info("the daemon went away before giving this worker a slot")
-        if llm.weights_let_go:  # (kept through a sleep, perhaps checkpointed by the driver: a CUDA call would wait
-            logging.shutdown()  # for a restore that will not come)
+        if llm.weights_let_go:  # (kept through a sleep: closing would unmap weights not mapped; nothing to drain)
+            logging.shutdown()
             os._exit(0)
         llm.close()
         return

@@ -1,6 +1,6 @@
 """Sleep level 1 on a GPU (issue 37): the weights go to host memory and the device memory
-the daemon and its workers held is freed but for the daemon's own CUDA context (another
-process can allocate it; on a V2-Lite-sized model that is 99% of it), the wake puts
+the daemon and its workers held is freed but for the daemon's own CUDA context and the
+kept spare's context and decode graphs (another process can allocate it), the wake puts
 the same bytes back (the same fingerprint, no load) and serves the same greedy output; the
 daemon killed meanwhile, nothing is left on the device; cycles leak no device memory."""
 
@@ -17,6 +17,9 @@ pytestmark = pytest.mark.gpu
 
 ALLOCATE = "import sys, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0'); print('ok')"
 CONTEXT = "from preload.ipc.devices import make_current; make_current(0); print('ok', flush=True); input()"
+# Asleep, the device holds the daemon's context and a kept spare's: its own context (with its
+# kernels loaded and cuBLAS's workspace) and its decode graphs, a few MiB on this model.
+KEPT_SPARE_BOUND = 3
 
 
 def used() -> int:
@@ -55,8 +58,8 @@ def test_level_1_frees_the_device_and_the_wake_serves_the_same_bytes(model_dir, 
             r = preload("sleep", "--state-dir", d.state_dir, "--level", "1", timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
             assert d.status()["sleep"]["host_bytes"] == arena  # (the weights, in host memory now)
-            left = used() - baseline  # (the daemon keeps its context, as vLLM's engine keeps its own)
-            assert left <= context + (64 << 20), (cycle, left, context, held)
+            left = used() - baseline  # (contexts: the daemon's, the kept spare's)
+            assert left <= KEPT_SPARE_BOUND * context, (cycle, left, context, held)
             got = subprocess.run([sys.executable, "-c", ALLOCATE, str(int(0.9 * held))], capture_output=True, text=True,
                                  timeout=120)
             assert got.stdout.strip() == "ok", got.stderr[-2000:]
@@ -99,41 +102,26 @@ def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte(monkeypatch):
     back.close()
 
 
-def test_the_warm_spare_is_kept_through_level_1_and_is_the_warm_spare_after_the_wake(model_dir, tmp_path):
-    """Where the driver checkpoints a process (ipc/cuda_checkpoint.py), the sleep keeps the
-    warm spare: it lets go of the weights, their addresses kept, and the driver moves the
-    rest of its device state to host memory; at the wake a fork takes the slot (faster than
-    the driver's restore) and the spare, restored, maps the new weights where the old ones
-    were (preloadd/sleeping.py): the same process is the standby spare after the wake, no
-    other forked, and serves the same greedy text when the slot's core dies; meanwhile the
-    device held only the daemon's context."""
-    import os
-    import signal
-
+def test_the_warm_spare_is_kept_through_level_1_on_the_device_and_takes_the_slot_at_the_wake(model_dir, tmp_path):
+    """The sleep keeps the warm spare on the device: it lets go of the weights, their
+    addresses kept, and of its prompt steps' graphs, holding its context and decode graphs
+    (about another context's worth on this model); at the wake it maps the new weights where
+    the old ones were and takes the slot (preloadd/sleeping.py): the same process serves
+    after the wake, with the same greedy text."""
     import psutil
 
-    from preload.ipc import cuda_checkpoint
-
-    if not cuda_checkpoint.available():
-        pytest.skip("this driver has no cuCheckpointProcess* calls: spares are let go at sleep")
     context, baseline, port = a_context(), used(), free_port()
     args = (*start_args(port, 1, "--spare-workers", 1), "--device", "cuda:0", "--gpu-memory-utilization", "0.5")
     with running_daemon(tmp_path / "state", model_dir, *args) as d:
         assert wait_for(lambda: [s["state"] for s in d.status()["spares"]] == ["standby"], timeout=300), \
             (d.status()["spares"], logs(d.state_dir))
-        before, spare = text(port), d.status()["spares"][0]["pid"]
+        before, spare, held = text(port), d.status()["spares"][0]["pid"], used() - baseline
         r = preload("sleep", "--state-dir", d.state_dir, "--level", "1", timeout=300)
         assert r.returncode == 0 and "1 spare(s) kept" in r.stdout, r.stdout + r.stderr + logs(d.state_dir)
-        assert psutil.pid_exists(spare) and used() - baseline <= context + (64 << 20)
+        left = used() - baseline
+        assert psutil.pid_exists(spare) and left <= KEPT_SPARE_BOUND * context, (left, context, held)
         r = preload("wake", "--state-dir", d.state_dir, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
+        assert d.status()["workers"][0]["pid"] == spare, (d.status(), logs(d.state_dir))
         assert text(port) == before
-        core = d.status()["workers"][0]["pid"]
-        assert core != spare
-        assert wait_for(lambda: [(s["pid"], s["state"]) for s in d.status()["spares"]] == [(spare, "standby")],
-                        timeout=60), (d.status()["spares"], logs(d.state_dir))
-        assert f"spare (pid {spare}) kept through the sleep" in (d.state_dir / "daemon.log").read_text()
-        os.kill(core, signal.SIGKILL)
-        assert wait_for(lambda: (w := d.status()["workers"][0])["pid"] == spare and w["state"] == "ready",
-                        timeout=60), (d.status(), logs(d.state_dir))
-        assert text(port) == before
+        assert "1 kept spare(s) mapped the weights again" in (d.state_dir / "daemon.log").read_text()

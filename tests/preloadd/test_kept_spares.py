@@ -3,7 +3,7 @@ a sleep that keeps them tells each warm spare to let go of the weights and kills
 other core and spare; a kept spare is not a core left to wait for; what it answers
 moves it from releasing to released, and, once told the new arena, to standby, where
 the wake's refill finds it; one that cannot be kept is killed. Real processes stand in
-for the workers (their links are real sockets); the driver's part runs on a GPU only
+for the workers (their links are real sockets); the device's part runs on a GPU only
 (tests/gpu/test_sleep_level1.py)."""
 
 from __future__ import annotations
@@ -98,12 +98,12 @@ def test_a_spare_that_cannot_be_kept_is_killed(tree):
     assert spare.kill_reason == "not kept through the sleep: RuntimeError: it maps another daemon's draft model"
 
 
-def test_the_daemon_lets_a_kept_spare_go_when_the_driver_cannot_keep_it(tree):
+def test_the_daemon_lets_a_kept_spare_go_when_it_cannot_be_kept(tree):
     sup, ends = tree
     spare = by(sup, "core", "standby")
     sleep_request(sup, "sleep", (1, True))
     on_kept_event(sup, spare, "released", {})
-    sleep_request(sup, "kept", ("let_go", (spare.pid, "not kept through the sleep: cuCheckpointProcessCheckpoint failed")))
+    sleep_request(sup, "kept", ("let_go", (spare.pid, "not kept through the sleep: it did not map the weights again in time")))
     assert spare.retiring and spare.proc.wait(10) == -9 and cores_left(sup) == 3
 
 
@@ -123,11 +123,10 @@ def test_a_daemon_stopping_while_asleep_kills_a_kept_spare_at_once(tree):
     assert retired == [warming]  # (a spare not kept, waiting for a slot: its link's EOF ends it)
 
 
-def test_at_the_wake_a_slot_gets_a_fork_while_the_kept_spare_is_being_restored(tree):
-    """The driver restores a kept spare in 2.4 s on an H100 with V2-Lite, where a fork
-    serves 1.4 s after the weights are back: the slot goes to a fork, and the kept spare,
-    still a spare of the pool (none other is forked for it), is the warm spare once it
-    maps the weights again; then it takes a slot as any standby spare does."""
+def test_a_kept_spare_takes_a_slot_only_once_it_maps_the_weights_again(tree):
+    """Before, its views would read unmapped addresses: a slot to fill goes to a fork, and
+    the kept spare, still a spare of the pool (none other is forked for it), takes a slot
+    as any standby spare does once it has mapped them (the wake remaps before it fills)."""
     from preload.preloadd.supervisor import Supervisor
 
     sup, ends = tree
