@@ -11,9 +11,8 @@ which the refill forks as at a start. A core killed for sleep is replaced as a r
 is (its takeover "restart"): nothing counts as a failure, nothing as a restart.
 
 At level 1 on a GPU a warm spare is kept instead, on the device, as vLLM's level 1 keeps
-its processes: told to, it lets go of the daemon's weights, their addresses kept, and of
-what it can make again while idle (its prompt steps' graphs), holding its CUDA context and
-decode graphs (worker/link.py's "release"). At the wake, once the weights are back, it maps
+its processes: told to, it lets go of the daemon's weights, their addresses kept, holding
+its CUDA context and graphs (worker/link.py's "release"). At the wake, once the weights are back, it maps
 the new arena where the old one was ("remap") and the refill gives it the slot as after a
 core's death: a core ready without a fork, an attach, a first step or the largest graph's
 capture. (The driver's checkpoint of such a spare, ipc/cuda_checkpoint.py, freed its context

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.gpu
 
 ALLOCATE = "import sys, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0'); print('ok')"
 CONTEXT = "from preload.ipc.devices import make_current; make_current(0); print('ok', flush=True); input()"
-# Asleep, the device holds the daemon's context and a kept spare's: its own context (with its
-# kernels loaded and cuBLAS's workspace) and its decode graphs, a few MiB on this model.
+# Asleep, the device holds the daemon's context and a kept spare's: its own context (its
+# kernels loaded, a cuBLAS workspace for each stream it ran on: two) and its graphs.
 KEPT_SPARE_BOUND = 3
 
 
@@ -104,8 +104,8 @@ def test_an_arena_moved_to_host_memory_comes_back_byte_for_byte(monkeypatch):
 
 def test_the_warm_spare_is_kept_through_level_1_on_the_device_and_takes_the_slot_at_the_wake(model_dir, tmp_path):
     """The sleep keeps the warm spare on the device: it lets go of the weights, their
-    addresses kept, and of its prompt steps' graphs, holding its context and decode graphs
-    (about another context's worth on this model); at the wake it maps the new weights where
+    addresses kept, holding its context and graphs (about another context's worth on this
+    model); at the wake it maps the new weights where
     the old ones were and takes the slot (preloadd/sleeping.py): the same process serves
     after the wake, with the same greedy text."""
     import psutil

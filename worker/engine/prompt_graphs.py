@@ -29,6 +29,7 @@ import time
 import torch
 
 from preload.kernels.norm import add_rms_norm
+from preload.worker.engine.cuda_graphs import capture_stream
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
@@ -134,14 +135,14 @@ class PromptGraphs:
         self._fill(None, None, 0, size, scratch_slot)  # (every row padding: writes only the scratch block)
         try:
             for i in todo:
-                side = torch.cuda.Stream()
+                side = capture_stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     self._piece(i, size, cache)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: a capture between steps must not fail over another thread's CUDA call
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                     out = self._piece(i, size, cache)
                 self.pool = graph.pool()
                 pieces.append(graph)
