@@ -145,7 +145,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
 
 
 START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
-               "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in")}
+               "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in",
+                                "after the first request came")}
 
 
 FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a decode graph

@@ -47,6 +47,7 @@ log = logging.getLogger("preload.worker")
 
 SEND_TIMEOUT_MS = 10_000  # a front that reads nothing for this long is gone: its requests are dropped
 PROMPT_BEAT = 0.02  # seconds: the soonest a beat follows the last once aborts freed sequences (or work ran out)
+FIRST_STEPS = 4  # a core logs its first steps' times: what its start left to its first requests shows there
 
 
 def cpu_threads() -> int:
@@ -75,6 +76,7 @@ class Core:
         self.seqs: dict[int, Sequence] = {}  # the front's requests, by its ids
         self.front: int | None = None  # the pid of the front they belong to
         self.steps = 0
+        self.first_request: float | None = None  # when the first request came (time.monotonic)
         self.retired = False
         self.drain_until: float | None = None
         self.freed = False  # aborts freed sequences since the last beat
@@ -115,8 +117,12 @@ class Core:
         log.info("core done (%s)", "retired" if self.retired else "drained")
 
     def _step(self) -> None:
+        t = time.monotonic()
         outputs = self.engine.step()  # (an engine fault goes up: the process exits, and is replaced)
         self.steps += 1
+        if self.steps <= FIRST_STEPS:  # (kernels met first, graphs captured at first use, a capture waited for)
+            log.info("step %d (%s) in %.3f s, begun %.3f s after the first request came", self.steps,
+                     self.engine.clock.kind, time.monotonic() - t, t - (self.first_request or t))
         for out in outputs:
             if out.finished:
                 self.seqs.pop(out.seq_id, None)
@@ -157,6 +163,8 @@ class Core:
             self._send({"t": "out", "o": [[seq.id, [], [], [], None, None, f"refused by the engine: {e}"]]})
             return
         self.seqs[seq.id] = seq
+        if self.first_request is None:
+            self.first_request = time.monotonic()
 
     def _on_abort(self, msg: dict) -> None:
         """One request's abort ("id") or, as the front sends them, those of one turn of its

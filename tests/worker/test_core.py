@@ -6,13 +6,15 @@ them (bench serve), do not find them still pending a minute on."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
-from preload.worker.core import Core, hello_of
-from preload.worker.core_channel import BEAT
+from preload.worker.core import FIRST_STEPS, Core, hello_of
+from preload.worker.core_channel import BEAT, params_to_wire
+from preload.worker.engine.sampling_params import SamplingParams
 
 
 def test_an_idle_core_captures_its_pending_graphs_back_to_back(tmp_path):
@@ -37,3 +39,21 @@ def test_an_idle_core_captures_its_pending_graphs_back_to_back(tmp_path):
     core.sock.close()
     assert len(captures) == 10 and not runs.is_alive()
     assert captures[-1] - captures[0] < 3 * BEAT  # (one poll's wait apart, they would take 9 beats: 2.25 s)
+
+
+def test_a_core_logs_its_first_steps_and_how_long_after_the_first_request_each_began(tmp_path, caplog):
+    """What a start leaves to its first requests (kernels met for the first time, a graph
+    captured at first use, an idle capture under way when the request came) shows in the
+    core's log: its first FIRST_STEPS steps, each with its kind and time, and when it began
+    after the first request came; later steps are not logged."""
+    llm = LLM(BUNDLED_MODEL, dtype="float32", device="cpu", engine=EngineOptions(kv_cache_memory=8 << 20))
+    core = Core(llm, f"ipc://{tmp_path}/slot.sock", hello_of(llm, "tiny", "first"), drain_timeout=1.0)
+    params = params_to_wire(SamplingParams(max_tokens=FIRST_STEPS + 3, ignore_eos=True))
+    core._on_add({"t": "add", "id": 7, "prompt": list(range(1, 20)), "params": params, "output": []})
+    with caplog.at_level(logging.INFO, logger="preload.worker"):
+        for _ in range(FIRST_STEPS + 2):
+            core._step()
+    core.sock.close()
+    steps = [r.getMessage() for r in caplog.records if "after the first request came" in r.getMessage()]
+    assert [m.split(" (")[0] for m in steps] == [f"step {i}" for i in range(1, FIRST_STEPS + 1)], steps
+    assert steps[0].startswith("step 1 (prompt) in ") and steps[1].startswith("step 2 (decode")
