@@ -67,6 +67,21 @@ def footprint(state_dir: Path, gpu: Gpu | None) -> dict:
             "device_used_mib": gpu.used_mib() if gpu else None}
 
 
+def settled_footprint(state_dir: Path, gpu: Gpu | None, most: float = 2.0) -> dict:
+    """`footprint` once its processes and fds read the same twice 0.1 s apart (up to `most`
+    seconds): on a busy machine a single count now and then held one or two fds more than
+    the counts before and after it (a socket or pipe of the cycle just done, not yet
+    closed), which a leak keeps and a settled count does not."""
+    last, until = footprint(state_dir, gpu), time.monotonic() + most
+    while time.monotonic() < until:
+        time.sleep(0.1)
+        now = footprint(state_dir, gpu)
+        if (now["processes"], now["fds"]) == (last["processes"], last["fds"]):
+            return now
+        last = now
+    return last
+
+
 def ask(state_dir: Path, until, **request) -> tuple[float, dict]:
     """Send `request` on the control socket; (seconds until `until(status)`, that status)."""
     with DaemonClient(state_dir, timeout=10) as client:
@@ -119,7 +134,7 @@ def cycle(state_dir: Path, api_port: int, level: int, spares: int, gpu: Gpu | No
     out["wake_serving_s"] = answered.get("at")
     out["text"], out["error"] = answered.get("text"), answered.get("error")
     out["spares_standby_s"] = standby(state_dir, spares)
-    return out | {"after": footprint(state_dir, gpu)}
+    return out | {"after": settled_footprint(state_dir, gpu)}
 
 
 def run_sleep(model: Path, device: str, levels: list[int], cycles: int, spares: int, progress=lambda m: None) -> dict:
@@ -137,7 +152,7 @@ def run_sleep(model: Path, device: str, levels: list[int], cycles: int, spares: 
         result["cold_start_s"] = time.perf_counter() - t
         result["spares_standby_s"] = standby(state_dir, spares)
         reference = complete(api_port)
-        result["before"] = footprint(state_dir, gpu)
+        result["before"] = settled_footprint(state_dir, gpu)
         held = result["before"]["device_used_mib"] - baseline if gpu else None
         result["device_baseline_mib"], result["device_held_mib"] = baseline, held
         for level in levels:
