@@ -1,6 +1,6 @@
 """A prompt's log-probs as vLLM's API gives them back.
 
-The engine scores each prompt token once (engine._score_prompt): its log-prob, its rank
+The engine scores each prompt token once (host_logprobs.score_prompt): its log-prob, its rank
 among all tokens, and the n most likely at that position (n: what the request asked).
 Nothing predicts the first token: its entry is null, in both shapes below.
 """

@@ -25,6 +25,7 @@ from preload.worker.engine.attention_warmup import AttentionWarmup
 from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.faults import GrammarRefused, SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
+from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
 from preload.worker.engine.pipeline import DecodePipeline
@@ -278,7 +279,7 @@ class Engine:
             try:
                 if scoring:
                     with stage("prompt logprobs"):
-                        self._score_prompt(seq, start, n, logprobs[first : first + n])
+                        score_prompt(seq, start, n, logprobs[first : first + n])
                 if seq.pending == 0:
                     advancing.append((seq, first + (n - 1 if scoring else 0)))
             except SequenceFault as fault:
@@ -379,7 +380,7 @@ class Engine:
                                 [s.output for s in seqs], self.stop_ids, [s.matcher for s in seqs])
                 generators = [s.generator_at(len(s.output)) for s in seqs]
                 tokens = sample_batch(steered, [s.params for s in seqs], generators, [s.output for s in seqs])
-                return self._picked(seqs, rows, tokens)
+                return drawn_on_host(seqs, rows, tokens)
         except SequenceFault:
             pass  # whose? each row on its own tells
         drawn = []
@@ -389,7 +390,7 @@ class Engine:
                     steered = steer(self._processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
                                     self.stop_ids, [seq.matcher])[0]
                     token = sample(steered, seq.params, seq.generator_at(len(seq.output)), seq.output)
-                    drawn += self._picked([seq], row[None], torch.tensor([token], device=self.device))
+                    drawn += drawn_on_host([seq], row[None], torch.tensor([token], device=self.device))
             except SequenceFault as fault:
                 drawn.append(fault)
         return drawn
@@ -407,55 +408,6 @@ class Engine:
         """A drafter's logits as the processors shape them before drafts are drawn (as
         log-probs, the form processors take): a token they ban is never proposed."""
         return self._processed(logits.float().log_softmax(-1), seqs, [s.output + s.drafts for s in seqs])
-
-    @staticmethod
-    def _picked(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> list[tuple]:
-        """(token, log-prob or None, {id: log-prob} of the n most likely or None) per row,
-        in one transfer to the host."""
-        packed, n_top = Engine.pack(seqs, rows, tokens)
-        return Engine.unpack(seqs, packed.tolist(), n_top)
-
-    @staticmethod
-    def pack(seqs: list[Sequence], rows: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """What the host needs of the drawn `tokens` in one tensor, so one copy (float64 holds
-        every token id exactly): [token, its log-prob, top ids..., top log-probs...] per
-        row, n_top of each (the most any of `seqs` asked for)."""
-        n_top = max((s.params.logprobs or 0) for s in seqs)
-        columns = [tokens[:, None], rows.gather(1, tokens[:, None])]
-        if n_top:
-            top = rows.topk(n_top, dim=-1)
-            columns += [top.indices, top.values]
-        return torch.cat([c.double() for c in columns], 1), n_top
-
-    @staticmethod
-    def unpack(seqs: list[Sequence], host: list[list[float]], n_top: int) -> list[tuple]:
-        """`pack`'s rows, on the host, as _picked returns them."""
-        out = []
-        for seq, (token, lp, *top_cols) in zip(seqs, host):
-            n = seq.params.logprobs
-            tops = {int(t): v for t, v in zip(top_cols[:n], top_cols[n_top : n_top + n])} if n else None
-            out.append((int(token), lp if n is not None else None, tops))
-        return out
-
-    @staticmethod
-    def _score_prompt(seq: Sequence, start: int, n: int, rows: torch.Tensor) -> None:
-        # Row i predicts prompt[start + i + 1]; a preempted sequence recomputes rows whose
-        # log-probs it already has, so start after those. One transfer to the host: each
-        # token's log-prob and rank, and the n most likely (ids and log-probs), as float64.
-        lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
-        targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long, device=rows.device)
-        scored = rows[lo:hi]
-        lps = scored.gather(1, targets[:, None])
-        columns = [lps, (scored > lps).sum(1, keepdim=True) + 1]
-        k = seq.params.prompt_logprobs
-        if k:
-            top = scored.topk(k, dim=-1)
-            columns += [top.indices, top.values]
-        for lp, rank, *top in torch.cat([c.double() for c in columns], 1).tolist():
-            seq.prompt_logprobs.append(lp)
-            seq.prompt_ranks.append(int(rank))
-            if k:
-                seq.prompt_top_logprobs.append({int(t): v for t, v in zip(top[:k], top[k:])})
 
     def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
         """Append the token drawn for `seq`; say what it adds."""

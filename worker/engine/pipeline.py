@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.host_logprobs import pack, unpack
 from preload.worker.engine.host_values import on_device
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampler import sample_batch
@@ -126,7 +127,7 @@ class DecodePipeline:
                 generators = [s.generator_at(start + 1 - len(s.prompt)) for s, start in zip(seqs, starts)]
                 drawn = sample_batch(logprobs, [s.params for s in seqs], generators,
                                      [s.output for s in seqs])
-                packed, n_top = e.pack(seqs, logprobs, drawn)
+                packed, n_top = pack(seqs, logprobs, drawn)
         except SequenceFault:  # whose? landing tells, row by row
             return Flight(seqs, starts, None, logprobs=logprobs)
         if packed.device.type != "cuda":
@@ -153,5 +154,5 @@ class DecodePipeline:
                 flight.copied.synchronize()
                 e.clock.gpu_wait += time.perf_counter() - waited
             rows = flight.host.tolist()
-            drawn = e.unpack([seq for _, seq in live], [rows[i] for i, _ in live], flight.n_top)
+            drawn = unpack([seq for _, seq in live], [rows[i] for i, _ in live], flight.n_top)
         return e.advance([seq for _, seq in live], drawn)
