@@ -132,8 +132,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
             run.after_ready = {"rss": full.rss, "uss": full.uss, "pss": full.pss, "shared": full.shared,
                                **{k: mem.get(k, 0) for k in ("anon", "file", "shmem")}}
             if workers:
-                run.first_request_s = first_request(d.api_port)
-                run.worker_log = start_lines(Path(d.state_dir))
+                run.first_request_s, marks = first_request(d.api_port)
+                run.worker_log = sorted(start_lines(Path(d.state_dir)) + marks)
             t1 = time.perf_counter()
             stop = preload("stop", "--state-dir", d.state_dir)
             run.stop_s = time.perf_counter() - t1
@@ -152,17 +152,25 @@ START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "rea
 FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a decode graph
 
 
-def first_request(port: int) -> float:
+def first_request(port: int) -> tuple[float, list[str]]:
     """Seconds the first request to a worker just ready takes: 32 prompt tokens, 4 out. What
-    a start leaves to its first request (kernels no step of the start ran) shows here."""
+    a start leaves to its first request (kernels no step of the start ran) shows here; and
+    two lines as the logs' (when it was sent, when answered), which sort among theirs (the
+    core's first steps, worker/core.py) into one timeline."""
     import httpx  # (the bench extra's: a start without workers needs none)
 
-    t = time.perf_counter()
+    sent, t = time.time(), time.perf_counter()
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                    json={"prompt": FIRST_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    took = time.perf_counter() - t
     if r.status_code != 200:
         raise RuntimeError(f"the first request failed: {r.status_code} {r.text[:300]}")
-    return time.perf_counter() - t
+    return took, [log_line(sent, "bench: the first request sent"), log_line(sent + took, "bench: its answer received")]
+
+
+def log_line(at: float, text: str) -> str:
+    """`text` as a line of the project's logs at wall time `at` (logging's asctime: local time)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f",{int(at * 1000) % 1000:03d} {text}"
 
 
 def start_lines(state_dir: Path) -> list[str]:

@@ -1,7 +1,8 @@
 """`preload bench cold` with workers says where the first worker's start went: the lines
 of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
 loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready), from a real `preload start --workers 1`,
-in time order, kept in the JSON and printed under the table."""
+in time order, kept in the JSON and printed under the table; then its first request's: when the bench
+sent it, the core's first steps, when it was answered."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     assert order == sorted(order), run.worker_log
     assert run.start_to_ready_s > 0 and run.load_seconds > 0
     assert 0 < run.first_request_s < 60, run.first_request_s  # (served: a failed request raises)
+    # The first request's timeline: sent, the core's first step (worker/core.py), answered.
+    timeline = [next(i for i, line in enumerate(run.worker_log) if p in line)
+                for p in ("bench: the first request sent", "step 1 (prompt)", "bench: its answer received")]
+    assert timeline == sorted(timeline), run.worker_log
 
     summary = cold.summarize_starts([run], warm_s=1.0, first_s=1.0)
     assert summary["worker_log"] == run.worker_log
