@@ -82,6 +82,14 @@ def settled_footprint(state_dir: Path, gpu: Gpu | None, most: float = 2.0) -> di
     return last
 
 
+def asleep_split(apps: dict[int, int | None], spares: set[int]) -> dict:
+    """Who holds the device while asleep, from nvidia-smi's processes: the kept spares and
+    the others (the daemon's own context), in MiB."""
+    held = {pid: mib or 0 for pid, mib in apps.items()}
+    return {"spares": sum(m for pid, m in held.items() if pid in spares),
+            "others": sum(m for pid, m in held.items() if pid not in spares)}
+
+
 def ask(state_dir: Path, until, **request) -> tuple[float, dict]:
     """Send `request` on the control socket; (seconds until `until(status)`, that status)."""
     with DaemonClient(state_dir, timeout=10) as client:
@@ -119,6 +127,7 @@ def cycle(state_dir: Path, api_port: int, level: int, spares: int, gpu: Gpu | No
            "spares_kept": s["sleep"].get("spares_kept", 0)}  # (through the sleep: preloadd/sleeping.py)
     if gpu is not None:
         out["asleep_used_mib"] = gpu.used_mib()
+        out["asleep_mib"] = asleep_split(gpu.apps(), {w["pid"] for w in s.get("spares", [])})
     answered: dict = {}
 
     def client() -> None:
@@ -184,6 +193,8 @@ def summary(runs: list[dict]) -> dict:
         "spares_kept": sum(r["spares_kept"] for r in runs),
         "errors": [r["error"] for r in runs if r["error"]],
         "freed_share_min": min((r["freed_share"] for r in runs if "freed_share" in r), default=None),
+        "asleep_mib_max": {k: max(r["asleep_mib"][k] for r in runs) for k in ("spares", "others")}
+        if all("asleep_mib" in r for r in runs) else None,
         "growth": {k: last[k] - first[k] for k in first if first[k] is not None and last[k] is not None},
     }
 
@@ -212,6 +223,9 @@ def format_table(result: dict) -> str:
                      f" private memory {g.get('private_bytes', 0) / 2**20:+.1f} MiB"
                      + (f", device {g['device_used_mib']:+d} MiB" if "device_used_mib" in g else "")
                      + (f"; errors: {s['errors'][:2]}" if s["errors"] else ""))
+        if s.get("asleep_mib_max"):
+            lines.append(f"level {level}, asleep: the kept spares held {s['asleep_mib_max']['spares']} MiB of the device"
+                         f" at most, the other processes (the daemon's context) {s['asleep_mib_max']['others']} MiB")
     lines += ["", "wake to serving: the wake asked, with a streamed completion sent at that moment, to its first"
               " token; freed: of the device memory the daemon held, at sleep; kept: spares kept through the sleeps"
               " (level 1 on a GPU: on the device, their weights let go; the slot's core after the wake); spare back:"

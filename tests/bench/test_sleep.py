@@ -29,3 +29,13 @@ def test_a_short_run_on_the_cpu_wakes_to_the_same_answers_and_leaks_nothing(tmp_
 def test_levels_other_than_1_and_2_are_refused():
     r = preload("bench", "sleep", "--levels", "1,3", timeout=60)
     assert r.returncode == 2 and "--levels" in r.stderr
+
+
+def test_what_holds_the_device_while_asleep_is_split_between_the_kept_spares_and_the_rest():
+    """nvidia-smi's processes while asleep: the kept spares' MiB apart from the others' (the
+    daemon's context); a process whose figure nvidia-smi does not give counts nothing."""
+    from preload.bench.sleep import asleep_split
+
+    apps = {4100: 526, 4200: 1721, 4300: None}
+    assert asleep_split(apps, {4200, 4300}) == {"spares": 1721, "others": 526}
+    assert asleep_split(apps, set()) == {"spares": 0, "others": 2247}
