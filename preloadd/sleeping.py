@@ -272,7 +272,7 @@ class Sleeper:
 
     def _remap_kept(self) -> None:
         """Each kept spare told the new arena of its rank, and waited for until it mapped it
-        where the last one was (a millisecond); one that does not is killed."""
+        where the last one was (0.02-0.03 s for V2-Lite); one that does not is killed."""
         if not self.kept:
             return
         sup, t0 = self.d.supervisor, time.monotonic()
