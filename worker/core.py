@@ -39,6 +39,7 @@ import torch
 import zmq
 
 from preload.worker.core_channel import BEAT, decode, encode, output_to_wire, own, params_from_wire, stats_to_wire
+from preload.worker.engine.output import Output
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.sequence import Sequence
 from preload.worker.llm import LLM
@@ -159,8 +160,9 @@ class Core:
         try:
             self.engine.check(seq)
             self.engine.add(seq)
-        except RequestError as e:  # (checked by the front against this core's limits: should not happen)
-            self._send({"t": "out", "o": [[seq.id, [], [], [], None, None, f"refused by the engine: {e}"]]})
+        except RequestError as e:  # (the front checked this core's limits; a grammar refusing the output handed over)
+            refusal = Output(seq.id, error=f"refused by the engine: {e}", refused=True)
+            self._send({"t": "out", "o": [output_to_wire(refusal)]})
             return
         self.seqs[seq.id] = seq
         if self.first_request is None:

@@ -173,9 +173,9 @@ class CoreClient:
                 news = [await req.reader.get()]
                 while not req.reader.empty():
                     news.append(req.reader.get_nowait())
-                failure = next((n for n in news if isinstance(n, BaseException)), None)
-                if failure is not None:
-                    raise failure
+                raised = next((n for n in news if isinstance(n, BaseException)), None)
+                if raised is not None:  # (not named `failure`: that is the function below)
+                    raise raised
                 out = Output.merge(news)
                 try:
                     out = req.text.add(out)

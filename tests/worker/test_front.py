@@ -161,6 +161,26 @@ def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch,
     assert len(cores) >= 4  # the pill killed three at least (the last with it alone); the last one serves
 
 
+def test_a_request_its_core_refuses_fails_alone_with_the_cores_reason(address, want, cores):
+    """An Output with an error (here the core refusing a request handed over with output
+    its grammar does not allow) fails that request, with the core's reason and as the
+    request's own fault (a 400 at the API), and its neighbours are served."""
+    from preload.worker.engine.async_engine import RequestRefused
+    from preload.worker.engine.grammar import regex_grammar
+
+    async def main():
+        client, reader = await serving(address, cores)
+        bad = Sequence(list(PROMPT), SamplingParams(max_tokens=8, grammar=regex_grammar("[0-9]+")), output=[5, 6])
+        results = await asyncio.gather(read(client, bad), read(client, greedy(PROMPT)), return_exceptions=True)
+        reader.cancel()
+        client.close()
+        return results
+
+    refused, served = asyncio.run(main())
+    assert isinstance(refused, RequestFailed) and "the grammar refuses the output's token" in str(refused), refused
+    assert served[0] == want(PROMPT).token_ids
+
+
 def test_a_new_front_finds_the_slots_core_again(address, want, cores):
     async def main():
         client, reader = await started(address)
