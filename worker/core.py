@@ -160,8 +160,9 @@ class Core:
         try:
             self.engine.check(seq)
             self.engine.add(seq)
-        except RequestError as e:  # (the front checked this core's limits; a grammar refusing the output handed over)
-            refusal = Output(seq.id, error=f"refused by the engine: {e}", refused=True)
+        except RequestError as e:  # (the front checked this core's limits; a grammar refusing the output handed
+            # over, which its last core drew under that grammar: not the client's fault, a 500 with the reason)
+            refusal = Output(seq.id, error=f"refused by the engine: {e}")
             self._send({"t": "out", "o": [output_to_wire(refusal)]})
             return
         self.seqs[seq.id] = seq

@@ -163,9 +163,8 @@ def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch,
 
 def test_a_request_its_core_refuses_fails_alone_with_the_cores_reason(address, want, cores):
     """An Output with an error (here the core refusing a request handed over with output
-    its grammar does not allow) fails that request, with the core's reason and as the
-    request's own fault (a 400 at the API), and its neighbours are served."""
-    from preload.worker.engine.async_engine import RequestRefused
+    its grammar does not allow) fails that request with the core's reason, and its
+    neighbours are served."""
     from preload.worker.engine.grammar import regex_grammar
 
     async def main():
