@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +42,7 @@ from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -51,6 +54,22 @@ def bucket_sizes(max_batch: int) -> list[int]:
     captured a 100,000-row step: 3 GiB of device memory per worker outside every budget)."""
     max_batch = min(max_batch, BUCKETS[-1])
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+def captured(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` once eagerly (that compiles its kernels and makes what the model makes lazily),
+    then captured as a graph whose memory shares `pool` (None: a new pool): (the graph, what
+    the captured run returned). Both on this process's one capture stream (capture_stream)."""
+    side = capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a capture between steps must not fail over another thread's CUDA call
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
 
 
 def capture_stream() -> torch.cuda.Stream:
@@ -191,15 +210,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int, cache: LatentCache, scratch_block: int) -> None:
         self._fill([], size, scratch_block)
-        side = capture_stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a first run compiles the kernels and lazily made weights, outside capture
-            self._step(size, cache)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a capture between steps must not fail over another thread's CUDA call
-        with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-            self.outputs[size] = self._step(size, cache)
+        graph, self.outputs[size] = captured(lambda: self._step(size, cache), self.pool)
         self.pool = graph.pool()
         self.graphs[size] = graph
 

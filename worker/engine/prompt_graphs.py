@@ -29,7 +29,7 @@ import time
 import torch
 
 from preload.kernels.norm import add_rms_norm
-from preload.worker.engine.cuda_graphs import capture_stream
+from preload.worker.engine.cuda_graphs import captured
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, LatentCache
 
@@ -135,15 +135,7 @@ class PromptGraphs:
         self._fill(None, None, 0, size, scratch_slot)  # (every row padding: writes only the scratch block)
         try:
             for i in todo:
-                side = capture_stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._piece(i, size, cache)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: a capture between steps must not fail over another thread's CUDA call
-                with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                    out = self._piece(i, size, cache)
+                graph, out = captured(lambda: self._piece(i, size, cache), self.pool)
                 self.pool = graph.pool()
                 pieces.append(graph)
         except RuntimeError as e:
