@@ -6,8 +6,10 @@ allocates its real one).
 Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is absent.
 """
 
+import gc
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -17,6 +19,7 @@ from greedy import assert_same_greedy
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
+from preload.worker.engine.cuda_graphs import captured
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 
@@ -228,3 +231,45 @@ def test_every_graph_of_a_process_shares_one_cublas_workspace_and_one_log_prob_b
     assert out.returncode == 0, out.stderr[-3000:]
     held = int(out.stdout.split()[-1])
     assert held < 256 << 20, f"{held / 2**20:.0f} MiB held beside the KV cache"
+
+
+def test_a_dead_graph_collected_as_garbage_cannot_fail_a_capture():
+    """A graph no longer used but kept by a reference cycle dies when the garbage collector
+    runs, and its destruction is a call the driver forbids during another capture: a
+    collection inside a capture failed it (a test module's sixth engine, H100). Here a
+    graph's last reference becomes a young dead cycle during a capture, and collections
+    run at nearly every allocation."""
+    x = torch.ones(8, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+
+    def drop_in_a_cycle(held):
+        cycle = [held.pop()]
+        cycle.append(cycle)
+        del cycle
+        _ = [[] for _ in range(100)]  # allocations: a collection frees the cycle
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        held = [captured(lambda: x * 3, pool)[0]]
+        alive = weakref.ref(held[0])
+        drop_in_a_cycle(held)
+        assert alive() is None  # the premise: such a cycle is collected there and then
+        held = [captured(lambda: x * 3, pool)[0]]
+        alive = weakref.ref(held[0])
+        runs = []
+
+        def run():
+            runs.append(None)
+            if len(runs) == 2:  # in the capture, not in the eager run before it
+                drop_in_a_cycle(held)
+            return x * 2
+
+        graph, out = captured(run, pool)
+    finally:
+        gc.set_threshold(*thresholds)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2)
+    gc.collect()
+    assert alive() is None

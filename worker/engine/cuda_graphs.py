@@ -30,6 +30,7 @@ the device: the last step's draws, copied into the tokens buffer after the fill.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -66,9 +67,19 @@ def captured(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
         run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: a capture between steps must not fail over another thread's CUDA call
-    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-        out = run()
+    # No garbage collection while capturing: a collection that frees a dead graph (an engine's
+    # of before, a dropped bucket's, kept by a reference cycle) destroys it, a call the driver
+    # forbids while this thread captures, and the capture fails (H100: a test module's sixth
+    # engine failed to capture its batch-16 graph). The garbage waits for the next collection.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # thread_local: a capture between steps must not fail over another thread's CUDA call
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
