@@ -33,7 +33,7 @@ from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import CacheSource, Sequence
-from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter, judged_together
+from preload.worker.engine.speculative import Drafter, SpecConfig, accept, check_drafter, fed_tokens, judged_together
 from preload.worker.engine.step_clock import StepClock
 from preload.worker.model.deepseek import Transformer
 from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache, bytes_per_token
@@ -300,12 +300,13 @@ class Engine:
         states of every token fed, in order. A graph replays only steps whose rows are all
         wanted (decode and verify spans: cuda_graphs.py); what it returns is valid until
         its next replay. `tokens`: the batch's inputs already on the device (a step
-        launched ahead)."""
+        launched ahead; drafts the drafter left there, speculative.fed_tokens)."""
         if self.blocks.ledger is not None:  # (the keys and erasures since the last forward, before it)
             self.blocks.ledger.flush()
+        if tokens is None and any(seq.draft_at is not None for seq, _, _ in spans):
+            tokens = fed_tokens(spans, self.device)
         if self.graphs is not None and self.graphs.fits(spans):
-            # A lazy start's bucket, at its first use: captured now, so that a busy engine
-            # (never idle) does not pad its batches to the largest bucket for good.
+            # A lazy start's bucket at its first use: captured now (a busy engine never idles to capture it)
             self._capture([self.graphs.bucket(fed_rows(spans))])
             return self.graphs.replay(spans, self.scratch_block, tokens)
         dev = self.device

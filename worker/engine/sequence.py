@@ -55,6 +55,9 @@ class Sequence:
     computed: int = 0
     drafts: list[int] = field(default_factory=list)  # speculative tokens after the pending one (speculative.py)
     draft_probs: list = field(default_factory=list)  # the drafter's distribution for each (sampled requests)
+    # Drafts still on the device (speculative.Drafter._chain): the tensor they lie in and
+    # the index of each; `drafts` holds placeholders until they are judged or read.
+    draft_at: tuple[torch.Tensor, list[int]] | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -74,8 +77,22 @@ class Sequence:
         """Tokens start..end-1 of prompt + output, without building the whole list."""
         p, n = len(self.prompt), len(self)
         out = self.prompt[start:end] + self.output[max(start - p, 0) : max(end - p, 0)]
-        # (past the end: the drafts a speculative step feeds after the pending token)
-        return out + self.drafts[max(start - n, 0) : max(end - n, 0)] if end > n else out
+        if end <= n:
+            return out
+        self.resolve_drafts()  # (past the end: the drafts a speculative step feeds after the pending token)
+        return out + self.drafts[max(start - n, 0) : end - n]
+
+    def resolve_drafts(self) -> None:
+        """Bring drafts left on the device to the host (a wait for the GPU: the engine's
+        steps read them on the device, and judging them brings them with its one copy)."""
+        if self.draft_at is not None:
+            flat, at = self.draft_at
+            self.set_drafts(flat[at].tolist())
+
+    def set_drafts(self, values: list[int]) -> None:
+        """The values of the drafts left on the device, in order."""
+        self.drafts[:] = values
+        self.draft_at = None
 
     def generator_at(self, index: int, stream: int = 0) -> torch.Generator | None:
         """A seeded request's generator, set for the draws of its output token `index`
@@ -86,6 +103,10 @@ class Sequence:
 
     def keep_drafts(self, n: int) -> None:
         del self.drafts[n:], self.draft_probs[n:]
+        if self.draft_at is not None:
+            del self.draft_at[1][n:]
+            if not self.drafts:
+                self.draft_at = None
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)

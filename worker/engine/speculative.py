@@ -121,12 +121,14 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
     before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
     chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
+    left = any(seq.draft_at is not None for seq in seqs)  # (drafts on the device: they come back with the copy)
     if all(seq.params.greedy for seq in seqs):  # (the argmax alone to the host: fewer launches than below)
-        best = chosen.tolist()
+        best = torch.cat([chosen, drafts_on_device(seqs, dev)]).tolist() if left else chosen.tolist()
+        resolve(seqs, best[len(chosen):])
         ns = [next((j for j, d in enumerate(seq.drafts) if best[f + j] != d), k) for seq, f, k in zip(seqs, firsts, ks)]
         return [seq.drafts[:n] + [best[f + n]] for seq, f, n in zip(seqs, firsts, ns)]
     at = on_device([f + j for f, k in zip(firsts, ks) for j in range(k)], dev, torch.long)  # the rows judging a draft
-    d = on_device([t for seq in seqs for t in seq.drafts], dev, torch.long)
+    d = drafts_on_device(seqs, dev)
     kept = chosen[at] == d
     drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if drawn:
@@ -158,7 +160,9 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     flags[on_device([i for i, k in enumerate(ks) for _ in range(k)], dev, torch.long),
           on_device([j for k in ks for j in range(k)], dev, torch.long)] = kept.long()
     n = flags.cumprod(-1).sum(-1)  # the drafts kept: those before the first refused
-    n_kept, last = torch.stack([n, chosen[on_device(firsts, dev, torch.long) + n]]).tolist()  # (the one copy to the host)
+    got = torch.cat([n, chosen[on_device(firsts, dev, torch.long) + n]] + ([d] if left else [])).tolist()  # (the one copy)
+    n_kept, last = got[: len(seqs)], got[len(seqs) : 2 * len(seqs)]
+    resolve(seqs, got[2 * len(seqs) :])
     return [seq.drafts[:m] + [t] for seq, m, t in zip(seqs, n_kept, last)]
 
 
@@ -176,6 +180,58 @@ def judged_together(verifying: list[tuple[Sequence, int]], logprobs: torch.Tenso
             return dict(zip((seq.id for seq in seqs), judge(rows, seqs)))
     except SequenceFault:
         return {}
+
+
+def drafts_on_device(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    """Every draft of `seqs`, in order, as one tensor on the device: those the drafter left
+    there gathered where they lie, the host's copied in, none waited for."""
+    return gathered([(seq, 0, len(seq.drafts)) for seq in seqs], device)
+
+
+def fed_tokens(spans: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
+    """The tokens a step feeds for (sequence, start, n) spans, in order, on the device: the
+    drafts the drafter left there put in place there, so that the verify step is launched
+    without waiting for them (they come to the host with the judging's one copy)."""
+    host, at, ranges = [], [], []
+    for seq, start, n in spans:
+        end, known = start + n, len(seq)
+        if seq.draft_at is None or end <= known:
+            host += seq.tokens(start, end)
+            continue
+        host += seq.tokens(start, known)
+        lo = max(start - known, 0)
+        at += range(len(host), len(host) + end - known - lo)
+        host += [0] * (end - known - lo)
+        ranges.append((seq, lo, end - known))
+    tokens = on_device(host, device, torch.long)
+    if at:
+        tokens[on_device(at, device, torch.long)] = gathered(ranges, device)
+    return tokens
+
+
+def gathered(ranges: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
+    """Drafts lo..hi-1 of each (sequence, lo, hi), in order, on the device: a gather per run
+    of those left in one tensor (one, for a step's drafts), a copy per run of host ones."""
+    parts: list[tuple[torch.Tensor | None, list[int]]] = []  # (the tensor, indices in it), or (None, host values)
+    for seq, lo, hi in ranges:
+        flat, values = seq.draft_at if seq.draft_at is not None else (None, seq.drafts)
+        if parts and parts[-1][0] is flat:
+            parts[-1][1].extend(values[lo:hi])
+        else:
+            parts.append((flat, list(values[lo:hi])))
+    out = [on_device(v, device, torch.long) if flat is None else flat[on_device(v, device, torch.long)]
+           for flat, v in parts]
+    return torch.cat(out) if len(out) != 1 else out[0]  # (never empty: judged sequences have drafts)
+
+
+def resolve(seqs: list[Sequence], values: list[int]) -> None:
+    """Fill the drafts left on the device of `seqs` from `values`: all their drafts, in order."""
+    i = 0
+    for seq in seqs:
+        k = len(seq.drafts)
+        if seq.draft_at is not None:
+            seq.set_drafts(values[i : i + k])
+        i += k
 
 
 class Drafter:
@@ -204,15 +260,15 @@ class Drafter:
         """(hidden states to chain on, or None; logits, or log-probs from a graph: the same
         draws) of the drafter over the spans (start, tokens, blocks) of a flat batch; the
         tokens from the host, or already on the device (chained drafts)."""
-        g, on_device = self.graphs, isinstance(tokens, torch.Tensor)
+        g, ready = self.graphs, isinstance(tokens, torch.Tensor)
         if g is not None and g.holds(len(tokens), [blocks for *_, blocks in spans]):
             g.ensure(self.cache, self.scratch_block, [g.bucket(len(tokens))])  # (a lazy start's bucket: at first use)
             rows = [(start + j, blocks) for start, n, blocks in spans for j in range(n)]
-            logprobs, x = g.replay_rows([(0 if on_device else t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
-                                        self.scratch_block, tokens=tokens if on_device else None, hidden=hidden)
+            logprobs, x = g.replay_rows([(0 if ready else t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
+                                        self.scratch_block, tokens=tokens if ready else None, hidden=hidden)
             return (x if self.mtp else None), logprobs
         meta = AttentionMeta.build(spans, self.blocks.block_size, self.device)
-        ids = tokens if on_device else torch.tensor(tokens, device=self.device)
+        ids = tokens if ready else on_device(tokens, self.device, torch.long)
         if self.mtp:
             return self.model.mtp_step(hidden, ids, meta, self.cache)
         return None, self.model.logits(self.model.forward(ids, meta, self.cache))
@@ -237,12 +293,13 @@ class Drafter:
         tokens = [t for seq, start, r, _, _ in catch for t in seq.tokens(start + shift, start + shift + r)]
         h = torch.cat([hidden[off : off + r] for _, _, r, off, _ in catch]) if self.mtp else None
         x, logits = self._run(h, tokens, [(start, r, seq.blocks) for seq, start, r, _, _ in catch])
-        ends = torch.tensor([r for _, _, r, _, _ in catch], device=self.device).cumsum(0) - 1
+        # (indices sent without a wait: a pageable copy would wait for the steps queued)
+        ends = on_device([r for _, _, r, _, _ in catch], self.device, torch.long).cumsum(0) - 1
         picks = [i for i, entry in enumerate(catch) if entry[4]]
         if not picks:
             return
         seqs = [catch[i][0] for i in picks]
-        last = ends[torch.tensor(picks, device=self.device)]
+        last = ends[on_device(picks, self.device, torch.long)]
         x, logits = (x[last] if x is not None else None), logits[last]
         if self.shape is None:
             self._chain(seqs, x, logits, shift)
@@ -261,9 +318,9 @@ class Drafter:
 
     def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
         """Drafts chained on the device, when no processor shapes them: each draft is the
-        next draft step's input where it lies, the host only growing the blocks; the k
-        drafts of every sequence come back in one copy, not one a draft (a sampled one's q
-        stays on the device for the acceptance test)."""
+        next draft step's input where it lies, the host only growing the blocks; the drafts
+        stay there for the verify step, with no wait for them (a sampled one's q too, for
+        the acceptance test)."""
         fed = [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
         drafts, qs = [], []  # per draft: the tokens of fed[j]; the q rows of its sampled ones
         while True:
@@ -277,9 +334,17 @@ class Drafter:
                 break
             room, x, logits = step
             fed.append([fed[-1][n] for n in room])
-        tokens = iter(torch.cat(drafts).tolist())  # (the one copy to the host)
+        # Left on the device: the verify step reads them there (Engine.forward), judging
+        # brings them to the host with its one copy (judge).
+        flat, at = torch.cat(drafts), 0
         for who, q in zip(fed, qs):
-            self._add([seqs[i] for i in who], [next(tokens) for _ in who], q)
+            self._add([seqs[i] for i in who], [-1] * len(who), q)
+            for i in who:
+                seq = seqs[i]
+                if seq.draft_at is None:  # (a sequence drafts only once its last drafts are judged)
+                    seq.draft_at = (flat, [])
+                seq.draft_at[1].append(at)
+                at += 1
 
     def _draw(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
         """Drafts as the operator's processors shape them: one step at a time, each draft on
@@ -312,7 +377,7 @@ class Drafter:
         room = [n for n, (seq, pos) in enumerate(zip(seqs, at)) if self._room(seq, pos)]
         if not room:
             return None
-        keep = torch.tensor(room, device=self.device)
+        keep = on_device(room, self.device, torch.long)
         x = x[keep] if x is not None else None
         tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
         return (room, *self._run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room]))

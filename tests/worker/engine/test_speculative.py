@@ -23,7 +23,7 @@ from preload.options import EngineOptions
 from preload.worker.engine.sampler import distribution
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
-from preload.worker.engine.speculative import SpecConfig, accept, judge
+from preload.worker.engine.speculative import SpecConfig, accept, fed_tokens, judge
 from preload.worker.model.kv_cache import bytes_per_token
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False)
@@ -51,13 +51,17 @@ def test_greedy_outputs_equal_decoding_without_drafts(plain, k):
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
-def test_drafts_are_chained_on_the_device_and_copied_once(plain, method, monkeypatch):
+def test_drafts_are_chained_and_verified_on_the_device_and_copied_with_the_judging(plain, method, monkeypatch):
     """Without processors, greedy and sampled requests' k drafts alike: each the next draft
-    step's input where it lies, all of a step's copied to the host at once
-    (speculative.Drafter._chain); drawing on the host, draft by draft, is left to the
-    operator's processors (`_draw`). Greedy outputs are plain decoding's; seeded sampled
-    ones repeat."""
+    step's input where it lies (speculative.Drafter._chain), left there for the verify step,
+    which reads them there (Engine.forward), and brought to the host with the judged tokens
+    in one copy (judge): never read back on their own (Sequence.resolve_drafts). Drawing on
+    the host, draft by draft, is left to the operator's processors (`_draw`). Greedy outputs
+    are plain decoding's; seeded sampled ones repeat."""
+    from preload.worker.engine.sequence import Sequence
     from preload.worker.engine.speculative import Drafter
+
+    monkeypatch.setattr(Sequence, "resolve_drafts", lambda self: pytest.fail("drafts read back on their own"))
 
     engine = mtp(3) if method == "mtp" else replace(BASE, speculative_config=json.dumps(
         {"method": "draft_model", "model": str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft"), "num_speculative_tokens": 3}))
@@ -140,6 +144,33 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert torch.allclose(freq, p, atol=0.01), (freq, p)
     # (the draft distribution is far from it: accepting every draft would fail this)
     assert not torch.allclose(q, p, atol=0.05)
+
+
+def test_drafts_left_on_the_device_are_fed_and_judged_where_they_lie_and_read_back_on_demand():
+    """Drafts the drafter left in a tensor (Sequence.draft_at, placeholders in `drafts`): the
+    verify step's tokens take them from there (fed_tokens), judging brings their values
+    with the judged tokens (judge: greedy and sampled alike), dropping drafts drops their
+    indices, and any other read of the tokens brings them to the host first."""
+    def drafted(temperature: float) -> Sequence:
+        seq = Sequence([1, 2, 3], SamplingParams(temperature=temperature, seed=1, max_tokens=9), output=[4],
+                       generator=torch.Generator())
+        seq.drafts, seq.draft_at = [-1, -1], (torch.tensor([7, 8, 9, 10]), [1, 3])
+        if temperature:
+            seq.draft_probs = [torch.full((12,), 1 / 12)] * 2
+        return seq
+
+    seq = drafted(0.0)
+    assert fed_tokens([(seq, 3, 3)], torch.device("cpu")).tolist() == [4, 8, 10] and seq.draft_at is not None
+    rows = torch.full((3, 12), -9.0).index_put_((torch.arange(3), torch.tensor([8, 11, 5])), torch.tensor(0.0))
+    assert judge(rows, [seq]) == [[8, 11]] and seq.drafts == [8, 10] and seq.draft_at is None
+    sampled = drafted(0.8)
+    judge(rows.log_softmax(-1), [sampled])
+    assert sampled.drafts == [8, 10] and sampled.draft_at is None
+    seq = drafted(0.0)
+    seq.keep_drafts(1)
+    assert seq.draft_at[1] == [1] and seq.tokens(2, 5) == [3, 4, 8] and seq.draft_at is None
+    seq.keep_drafts(0)
+    assert seq.drafts == [] and seq.draft_at is None
 
 
 def test_a_steps_drafts_judged_together_are_judged_as_each_alone():
