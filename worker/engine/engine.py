@@ -306,7 +306,8 @@ class Engine:
         if tokens is None and any(seq.draft_at is not None for seq, _, _ in spans):
             tokens = fed_tokens(spans, self.device)
         if self.graphs is not None and self.graphs.fits(spans):
-            # A lazy start's bucket at its first use: captured now (a busy engine never idles to capture it)
+            # A lazy start's bucket, at its first use: captured now, so that a busy engine
+            # (never idle) does not pad its batches to the largest bucket for good.
             self._capture([self.graphs.bucket(fed_rows(spans))])
             return self.graphs.replay(spans, self.scratch_block, tokens)
         dev = self.device
