@@ -22,7 +22,7 @@ import click
 
 from preload.checkpoint.pages import read_in
 from preload.cli.options import build, options_of
-from preload.ipc import finite_device, fp8_device, protocol
+from preload.ipc import protocol
 from preload.ipc.devices import cuda_device_count, ordinal
 from preload.options import BUNDLED_MODEL, DaemonOptions
 from preload.preloadd.keeper import KEEPER_SOCK
@@ -122,6 +122,8 @@ def _start_cuda(options: DaemonOptions) -> None:
     """The driver's start, and the compiles of the kernels a load into GPU memory uses
     (0.13 s each on an H200 host) that its plan would otherwise wait for: all beside the
     daemon's imports."""
+    from preload.ipc import finite_device, fp8_device  # (numpy: not on the way to the zygote's launch)
+
     cuda_device_count()
     if options.transport in ("auto", "cuda-vmm"):  # (auto is cuda-vmm on a GPU)
         finite_device.available(ordinal(options.device))
