@@ -38,6 +38,12 @@ class Tokenizer:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         return cls(path.read_text(), config)
 
+    def made_of(self, files: dict[str, str]) -> bool:
+        """Whether `files` (tokenizer.json's text, tokenizer_config.json's) are this one's."""
+        config = json.loads(files.get("tokenizer_config.json") or "{}")
+        return files.get("tokenizer.json") == self.files["tokenizer.json"] and config == json.loads(
+            self.files["tokenizer_config.json"])
+
     @cached_property
     def special_ids(self) -> frozenset[int]:
         """Ids that `decode` leaves out (special tokens); computed once (every request's

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from preload.ipc.protocol import slot_socket_path
-from preload.options import DaemonOptions, ServeOptions
+from preload.options import BUNDLED_MODEL, DaemonOptions, ServeOptions
 from preload.preloadd import zygote as zyg
 from preload.preloadd.health import worker_gone
 from preload.preloadd.orphans import Adoption
@@ -60,7 +60,7 @@ class Supervisor:
                  room_for: Callable[[int, int], bool] = lambda kv_bytes, dp_rank: True,
                  zygote: zyg.Zygote | None = None, gpu: bool = False, dp_ranks: int = 1):
         self.opts, self.spares, self.listen, self.room_for = opts, spares, listen, room_for
-        self.spec = zyg.worker_spec(serve, gpu)
+        self.spec = zyg.worker_spec(serve, gpu, opts.model or BUNDLED_MODEL)
         self.workers: dict[int, Worker] = {}  # by pid
         self.dp_ranks = dp_ranks
         self.slots = [Slot() for _ in range(opts.workers * dp_ranks)]

@@ -100,7 +100,7 @@ def run_worker(spec: dict, listen_fd: int, link_fd: int, log_path: str) -> int:
     ahead.wait_compiled(spec)  # (a core forked while the zygote's children compile kernels ahead)
     sock = socket.socket(fileno=os.dup(listen_fd))
     serve = from_json(ServeOptions, spec["serve"] | {"dp_rank": spec.get("dp_rank", 0)})
-    return serve_supervised(serve, spec["slot"], sock, link_fd, spec.get("role", "core"))
+    return serve_supervised(serve, spec["slot"], sock, link_fd, spec.get("role", "core"), spec.get("tokenizer"))
 
 
 def worker_main() -> None:
@@ -258,10 +258,10 @@ def environment(state_dir: Path) -> dict[str, str]:
     return os.environ | ZYGOTE_ENV | {MULTIPROC_ENV: str(state_dir / METRICS_DIR)}
 
 
-def worker_spec(serve: ServeOptions, gpu: bool = False) -> dict:
-    """What every worker is started with (its slot is added per worker); `gpu`: the
-    workers run on a GPU, and the zygote imports their Triton kernels ahead."""
-    return {"serve": to_json(serve), "gpu": gpu}
+def worker_spec(serve: ServeOptions, gpu: bool = False, model: Path | None = None) -> dict:
+    """What every worker is started with (its slot is added per worker); `gpu`: the workers run
+    on a GPU, and the zygote imports their Triton kernels ahead; `model`: the fronts' tokenizer."""
+    return {"serve": to_json(serve), "gpu": gpu, "tokenizer": None if model is None else str(Path(model).absolute())}
 
 
 class Zygote:

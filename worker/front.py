@@ -79,7 +79,9 @@ class Request:
 
 
 class CoreClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, read_ahead: Tokenizer | None = None):
+        """`read_ahead`: the checkpoint's tokenizer, read from its files while the slot's core
+        started (serve.py); taken for the core's own when its hello carries the same files."""
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a core that is gone fails, not vanishes
@@ -96,6 +98,7 @@ class CoreClient:
         self.heard = 0.0  # its last beat
         self.info: dict = {}  # its hello, less the files
         self.tokenizer: Tokenizer | None = None
+        self.read_ahead = read_ahead
         self.hello = asyncio.Event()  # set once a core said hello
         self._stats = EngineStats(0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
         self.on_step: Callable[[], None] = lambda: None  # after each beat (metrics)
@@ -245,7 +248,9 @@ class CoreClient:
             return  # a core the sleep killed, late (the wake's cores come after the daemon's word)
         files = msg.pop("files", None) or {}
         if self.tokenizer is None or files:
-            self.tokenizer = Tokenizer(files["tokenizer.json"], json.loads(files.get("tokenizer_config.json") or "{}"))
+            ready, self.read_ahead = self.read_ahead, None
+            self.tokenizer = ready if ready is not None and ready.made_of(files) else Tokenizer(
+                files["tokenizer.json"], json.loads(files.get("tokenizer_config.json") or "{}"))
         self.info = {k: v for k, v in msg.items() if k != "t"}
         old, self.core, self.heard = self.core, core, time.monotonic()
         self._send(core, {"t": "welcome", "front": os.getpid(), "hello": False})

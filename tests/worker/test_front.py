@@ -8,6 +8,7 @@ restarts finds the slot's core again; requests whose core never comes back fail 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -19,12 +20,14 @@ import pytest
 from cores import start_core
 
 from preload import BUNDLED_MODEL, LLM
+from preload.bench.checkpoint import word_level_tokenizer
 from preload.worker import front as front_module
 from preload.worker.core_channel import core_address
 from preload.worker.engine.async_engine import EngineDead, RequestFailed
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 from preload.worker.front import CoreClient
+from preload.worker.serve import read_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9]
 POISON = 777
@@ -197,6 +200,38 @@ def test_a_new_front_finds_the_slots_core_again(address, want, cores):
 
     tokens, _, _ = asyncio.run(main())
     assert tokens == want(PROMPT).token_ids
+
+
+def test_a_tokenizer_read_ahead_is_the_fronts_where_the_cores_hello_carries_its_files(address, want, cores,
+                                                                                      tmp_path):
+    """A front reads the checkpoint's tokenizer while the slot's core starts (serve.py): the
+    core's hello then costs no parse where it carries the same files, and its own files serve
+    where they differ (the checkpoint's changed since the daemon loaded it)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    text, config = word_level_tokenizer(300, None, 2)
+    (other / "tokenizer.json").write_text(text)
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    assert read_tokenizer(None) is None and read_tokenizer(str(tmp_path / "missing")) is None
+
+    async def main(read_ahead):
+        client = CoreClient(address, read_ahead)
+        reader = asyncio.ensure_future(client.run())
+        if not cores:
+            cores.append(await asyncio.to_thread(start_core, address))
+        await asyncio.wait_for(client.hello.wait(), 60)
+        got = await read(client, greedy(PROMPT, 8))
+        reader.cancel()
+        client.close()
+        return client.tokenizer, got
+
+    same, different = read_tokenizer(str(BUNDLED_MODEL)), read_tokenizer(str(other))
+    tokenizer, (tokens, text, _) = asyncio.run(main(same))
+    assert tokenizer is same
+    assert tokens == want(PROMPT, 8).token_ids and text == want(PROMPT, 8).text
+    tokenizer, (tokens, text, _) = asyncio.run(main(different))  # (the same core, a front again)
+    assert tokenizer is not different and tokenizer.made_of(same.files) and not tokenizer.made_of(different.files)
+    assert tokens == want(PROMPT, 8).token_ids and text == want(PROMPT, 8).text
 
 
 def test_requests_fail_when_no_core_comes_back(address, monkeypatch, cores):
