@@ -146,7 +146,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
 
 START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
                "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in",
-                                "after the first request came")}
+                                "after the first request came"),
+               "front-0.log": ("ready in",)}
 
 
 FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a decode graph
@@ -174,10 +175,10 @@ def log_line(at: float, text: str) -> str:
 
 
 def start_lines(state_dir: Path) -> list[str]:
-    """The lines of the daemon's and worker 0's logs that time a start, in time order (each
-    line begins with its time stamp)."""
-    return sorted(line for name, phrases in START_LINES.items() for line in (state_dir / name).read_text().splitlines()
-                  if any(phrase in line for phrase in phrases))
+    """The lines of the daemon's, worker 0's and its front's logs that time a start, in time
+    order (each line begins with its time stamp)."""
+    return sorted(line for name, phrases in START_LINES.items() if (state_dir / name).exists()
+                  for line in (state_dir / name).read_text().splitlines() if any(phrase in line for phrase in phrases))
 
 
 def _accepting(port: int) -> bool:

@@ -1,6 +1,7 @@
 """`preload bench cold` with workers says where the first worker's start went: the lines
 of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
-loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready), from a real `preload start --workers 1`,
+loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready, its
+front ready), from a real `preload start --workers 1`,
 in time order, kept in the JSON and printed under the table; then its first request's: when the bench
 sent it, the core's first steps, when it was answered."""
 
@@ -17,7 +18,8 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     for phrase in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started", "weights attached in", "first step", "KV cache",
                    "worker 0 ready"):
         assert len(found[phrase]) == 1, (phrase, run.worker_log)  # (graphs are captured on a GPU only)
-    assert len(found["ready in"]) == 2, run.worker_log  # the daemon's load, then the worker
+    assert len(found["ready in"]) == 3, run.worker_log  # the daemon's load, the worker, its front
+    assert any("front-0" in line for line in found["ready in"]), run.worker_log
     assert run.worker_log == sorted(run.worker_log)
     order = [next(i for i, line in enumerate(run.worker_log) if p in line)
              for p in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started",
