@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 
-from preload.worker.engine.host_values import to_device
+from preload.worker.model.host_values import to_device
 
 KEY_BYTES = 32  # a block key: SHA-256
 

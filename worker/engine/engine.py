@@ -26,6 +26,7 @@ from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.faults import GrammarRefused, SequenceFault, stage
 from preload.worker.engine.grammar import Grammars
 from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
+from preload.worker.model.host_values import on_device
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
 from preload.worker.engine.pipeline import DecodePipeline
@@ -312,14 +313,16 @@ class Engine:
             return self.graphs.replay(spans, self.scratch_block, tokens)
         dev = self.device
         if tokens is None:
-            tokens = torch.tensor([t for seq, start, n in spans for t in seq.tokens(start, start + n)], device=dev)
+            tokens = on_device([t for seq, start, n in spans for t in seq.tokens(start, start + n)], dev)
         meta = AttentionMeta.build([(start, n, seq.blocks) for seq, start, n in spans], self.blocks.block_size, dev)
         prompt_graphs = self.prompt_graphs
         if prompt_graphs is not None and self.drafter is None and prompt_graphs.fits(len(tokens)):
             hidden = prompt_graphs.forward(tokens, meta, self.cache, self.scratch_block * self.blocks.block_size)
         else:
             hidden = self.model.forward(tokens, meta, self.cache)
-        picked = hidden if rows == list(range(len(hidden))) else hidden[torch.tensor(rows, device=dev)]
+        # (indices queued behind the forward: a copy from pageable memory would wait for it, and the
+        # GPU would idle through each launch after it, the head, sampling, until the tokens' copy)
+        picked = hidden if rows == list(range(len(hidden))) else hidden[on_device(rows, dev)]
         return self.model.logits(picked).log_softmax(-1), hidden
 
     def _verify(self, seq: Sequence, start: int, rows: torch.Tensor, judged: list[int] | None) -> Output:
@@ -372,8 +375,8 @@ class Engine:
             return []
         seqs = [seq for seq, _ in advancing]
         picked = [row for _, row in advancing]
-        # Every row (a decode step): no index to copy in, a copy that would wait for the step.
-        rows = logprobs if picked == list(range(len(logprobs))) else logprobs[torch.tensor(picked, device=self.device)]
+        # Every row (a decode step): no index at all; else one queued behind the step (model/host_values.py).
+        rows = logprobs if picked == list(range(len(logprobs))) else logprobs[on_device(picked, self.device)]
         # Sampled from the rows as the operator's processors and the requests steer them; the
         # log-probs reported are the model's.
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from preload.worker.model.host_values import on_device
 from preload.worker.engine.sequence import Sequence
 
 
@@ -45,7 +46,7 @@ def score_prompt(seq: Sequence, start: int, n: int, rows: torch.Tensor) -> None:
     tokens start..start+n-1: row i predicts prompt[start + i + 1]. A preempted sequence
     recomputes rows whose scores it already has: those are skipped."""
     lo, hi = len(seq.prompt_logprobs) - 1 - start, min(n, len(seq.prompt) - 1 - start)
-    targets = torch.tensor(seq.prompt[start + 1 + lo : start + 1 + hi], dtype=torch.long, device=rows.device)
+    targets = on_device(seq.prompt[start + 1 + lo : start + 1 + hi], rows.device, torch.long)
     scored = rows[lo:hi]
     lps = scored.gather(1, targets[:, None])
     columns = [lps, (scored > lps).sum(1, keepdim=True) + 1]

@@ -34,7 +34,7 @@ import torch
 
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.host_logprobs import pack, unpack
-from preload.worker.engine.host_values import on_device
+from preload.worker.model.host_values import on_device
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampler import sample_batch
 from preload.worker.engine.sequence import Sequence

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from preload.worker.engine.grammar import allowed
-from preload.worker.engine.host_values import on_device
+from preload.worker.model.host_values import on_device
 from preload.worker.engine.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ def apply_penalties(logits: torch.Tensor, generated: list[int], presence: float,
     """OpenAI's penalties: subtract presence once per token seen, frequency per occurrence."""
     if not generated or (presence == 0.0 and frequency == 0.0):
         return logits
-    counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.shape[-1]).to(logits)
+    counts = torch.bincount(on_device(generated, logits.device), minlength=logits.shape[-1]).to(logits)
     return logits - presence * (counts > 0).to(logits) - frequency * counts
 
 
@@ -56,9 +56,9 @@ def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list
         p, row = params[i], logits[i]
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)
-            row[torch.tensor(ids, device=dev)] += torch.tensor(bias, device=dev, dtype=row.dtype)
+            row[on_device(list(ids), dev)] += on_device(list(bias), dev, row.dtype)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(prompts[i]) | set(outputs[i])), device=dev, dtype=torch.long)
+            seen = on_device(sorted(set(prompts[i]) | set(outputs[i])), dev, torch.long)
             x = row[seen]
             row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
         grammar = allowed(matchers[i], row.shape[-1]) if matchers is not None and matchers[i] is not None else None
@@ -115,8 +115,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     penalized = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if penalized:
         logits = logits.clone()
-        rows = torch.tensor([i for i in penalized for _ in generated[i]], device=dev, dtype=torch.long)
-        tokens = torch.tensor([t for i in penalized for t in generated[i]], device=dev, dtype=torch.long)
+        rows = on_device([i for i in penalized for _ in generated[i]], dev, torch.long)
+        tokens = on_device([t for i in penalized for t in generated[i]], dev, torch.long)
         counts = torch.zeros(n, vocab, device=dev).index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
                                                               accumulate=True)
         presence = column([p.presence_penalty for p in params])

@@ -43,7 +43,7 @@ import torch
 
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
-from preload.worker.engine.host_values import on_device
+from preload.worker.model.host_values import on_device
 from preload.worker.engine.sampler import distributions, draw, sample_rows
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta

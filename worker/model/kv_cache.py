@@ -21,6 +21,7 @@ from preload.checkpoint.config import ModelConfig
 from preload.kernels.attention import Pools, paged_slots, write_latents
 from preload.kernels.fp8 import FP8
 from preload.kernels.prefill import PrefillPlan, prefill_plan
+from preload.worker.model.host_values import to_device
 
 
 def bytes_per_token(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -253,8 +254,8 @@ class AttentionMeta:
         seq = np.repeat(np.arange(b), counts)
         positions = np.arange(offsets[-1]) - offsets[seq] + starts[seq]
         slots = table[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        big = torch.from_numpy(np.concatenate([positions, slots, offsets, starts])).to(device)
-        small = torch.from_numpy(small).to(device)
+        big = to_device(torch.from_numpy(np.concatenate([positions, slots, offsets, starts])), torch.device(device))
+        small = to_device(torch.from_numpy(small), torch.device(device))
         t = len(positions)
         single = counts == 1
         d = b if single.all() else int(single.argmin())

@@ -2,8 +2,9 @@
 
 `torch.tensor(values, device="cuda")` copies from pageable memory, and PyTorch makes such
 a copy synchronous: it waits for everything queued on the stream first. Where a step is
-launched ahead of the last one's tokens (pipeline.py), that wait undoes the overlap: the
-host then idles until the GPU has finished both steps. From page-locked memory the copy
+launched ahead of the last one's tokens (engine/pipeline.py), that wait undoes the overlap:
+the host then idles until the GPU has finished both steps; within a step, the GPU idles
+through every launch the host makes after it. From page-locked memory the copy
 is queued like a kernel instead, and the page-locked block is not reused before it ran
 (PyTorch's host allocator records the stream's use).
 """

@@ -1,0 +1,64 @@
+"""A step's forward never waits for the GPU: what the host sends the device on the way (the
+tokens, the step's layout, the rows whose logits count) is queued behind the work before it
+(worker/model/host_values.py). A copy from pageable memory waits for all of that work, and
+the GPU then idles through every launch the host makes after it: the head, the log-softmax,
+sampling, up to the one wait a step has, for the tokens it drew. torch's sync debug mode
+makes every wait an error; here it watches the forward of prompt steps, mixed steps
+(prompt chunks beside decode rows) and a draft model's steps.
+
+Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is absent.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from preload import BUNDLED_MODEL, LLM
+from preload.options import EngineOptions
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [list(range(5, 5 + n)) for n in (40, 100, 7, 300)]
+
+
+def watched(owner, name: str) -> list[int]:
+    """Every call of `owner.name` from now on runs with a wait for the GPU an error; how many ran."""
+    method, calls = getattr(owner, name), []
+
+    def without_waits(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+
+    setattr(owner, name, without_waits)
+    return calls
+
+
+@pytest.mark.parametrize("options", [EngineOptions(kv_cache_memory=64 << 20),
+                                     EngineOptions(kv_cache_memory=64 << 20, max_num_batched_tokens=64)],
+                         ids=["prompts-whole", "chunked-beside-decode-rows"])
+def test_a_steps_forward_never_waits_for_the_gpu(options):
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=options)
+    want = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)  # (captures what such steps replay)
+    calls = watched(llm.engine, "forward")
+    got = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(calls) >= 8
+
+
+def test_a_draft_models_steps_and_the_verify_steps_never_wait_for_the_gpu():
+    """The drafter's steps too (the catch-up and the chained drafts, left on the device), and
+    the verify steps that read the drafts there; the step's one wait is the judging's copy."""
+    spec = json.dumps({"method": "draft_model", "model": str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft"),
+                       "num_speculative_tokens": 2})
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=EngineOptions(kv_cache_memory=64 << 20, speculative_config=spec))
+    want = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    steps, drafts = watched(llm.engine, "forward"), watched(llm.engine.drafter, "draft")
+    got = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(steps) >= 4 and len(drafts) >= 4
