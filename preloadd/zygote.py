@@ -18,10 +18,10 @@ Protocol on the zygote's own SOCK_SEQPACKET socketpair (one JSON message each wa
   daemon -> zygote  {"slot": k, "role": r}          fork a worker for slot k (or a spare: null), a core
                                                     or a front (worker/serve.py)
   zygote -> daemon  {"pid": p} + the daemon's end of the worker's link (SCM_RIGHTS)
-A zygote for GPU workers imports their Triton kernels once it is ready, a step at a time
-while no fork request waits (`next_request`): on a cold start whose load ends before the
-zygote's imports do, the first worker is forked at once and imports them itself, beside the
-zygote, instead of waiting for the zygote to import them first (0.7-1.2 s on an H200 host).
+The fronts' HTTP stack, and GPU workers' Triton kernels, a zygote imports once it is ready, a
+step at a time while no fork request waits (`next_request`): on a cold start whose load ends
+before the zygote's imports do, the first core and front are forked at once and import them
+themselves, beside each other, instead of waiting for the zygote to (0.7-1.2 s on an H200 host).
 It exits when the daemon closes its end. The spec comes apart from the launch so that a cold
 start's first zygote can be launched before the daemon has imported, bound its ports or
 planned its load (cli/start.py): its imports are a cold start's longest wait (6 s, H200).
@@ -114,10 +114,9 @@ def worker_main() -> None:
 
 
 def _preload_imports() -> None:
-    # Everything a worker imports, paid for once here instead of in every worker.
-    import fastapi  # noqa: F401
+    # What a core imports, paid for once here instead of in every worker; a front's HTTP stack
+    # once ready (http_import_steps: a start's first front imports it beside its core's start).
     import torch  # noqa: F401
-    import uvicorn  # noqa: F401
 
     import preload.worker.serve  # noqa: F401
 
@@ -183,10 +182,11 @@ def main() -> None:
     # process with threads ("use of fork() may lead to deadlocks"), in every fork's child too.
     setthreadtitle("preload-zygote")
     _preload_imports()
-    if "--park" in sys.argv:  # to be dumped (`preload snapshot`), then restored for a state dir
-        if sys.argv[sys.argv.index("--park") + 1] == "kernels":  # (a GPU host's: its idle work, done before)
-            for step in triton_import_steps():
-                step()
+    from preload.worker.serve import http_import_steps
+    if "--park" in sys.argv:  # to be dumped (`preload snapshot`), then restored for a state dir: its idle work
+        kernels = sys.argv[sys.argv.index("--park") + 1] == "kernels"  # done before (the kernels: a GPU host's)
+        for step in [*http_import_steps(), *(triton_import_steps() if kernels else [])]:
+            step()
         setproctitle(f"preload zygote --state-dir {park(control)}")
     try:
         msg, fds = receive(control)
@@ -197,7 +197,7 @@ def main() -> None:
         # What the imports built lives as long as we do: out of the collector's sight, a
         # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
         gc.freeze()
-        idle_work = [*triton_import_steps(), gc.freeze] if spec.get("gpu") else []  # (a GPU worker's first step's)
+        idle_work = [*(triton_import_steps() if spec.get("gpu") else []), *http_import_steps(), gc.freeze]
         send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
         # (a host whose kernel cache lacks what the workers' list names: compiled beside the load)
         compiling = ahead.compile_listed() if spec.get("gpu") else None

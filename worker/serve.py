@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -26,10 +27,10 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
-import uvicorn
 
 from preload.checkpoint.tokenizer import Tokenizer
 from preload.ipc.client import DaemonUnavailable
@@ -38,8 +39,6 @@ from preload.ipc.manifest import ArenaInfo
 from preload.ipc.protocol import default_state_dir, log_output_to
 from preload.ipc.sockets import listen
 from preload.options import CPU_KV_CACHE_BYTES, ServeOptions
-from preload.worker.api.app import create_app
-from preload.worker.api.limits import BodyLimit
 from preload.worker.api.state import WorkerState
 from preload.worker.core import Core, hello_of
 from preload.worker import tensor_group
@@ -54,6 +53,7 @@ from preload.worker.load_board import PUBLISH, GatedSocket, LoadBoard
 from preload.worker.model.kv_cache import bytes_per_token, kv_cache_share
 
 log = logging.getLogger("preload.worker")
+HTTP_MODULES = ("fastapi", "uvicorn", "preload.worker.api.app", "preload.worker.http_server")  # a front's alone
 
 WARM_UP_KV_BYTES = 16 << 20  # a few blocks of any model: the warm-up prompt needs one
 # Two tokens: a prompt's step, which runs eagerly and loads the kernels a first request's
@@ -99,40 +99,12 @@ def slot_memory(offer: KvOffer | None, device: torch.device) -> Callable[[int], 
     return memory
 
 
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: turn /health 503, finish the requests in flight and those still
-    arriving (answered with Connection: close), up to the drain timeout; then shut down.
-    On the daemon's shared socket it also stops accepting at once, so that the other
-    workers take new connections; alone, it keeps answering /health with 503 instead."""
-
-    def __init__(self, config: uvicorn.Config, state: WorkerState, engine: AsyncEngine, drain_timeout: float,
-                 shared_socket: bool):
-        super().__init__(config)
-        self.state, self.engine, self.drain_timeout, self.shared_socket = state, engine, drain_timeout, shared_socket
-        self.on_drain: Callable[[], None] | None = None
-
-    def handle_exit(self, sig, frame) -> None:
-        if self.state.phase == "draining":
-            return super().handle_exit(sig, frame)  # a second signal: stop now
-        log.info("draining %d in-flight requests", self.engine.in_flight())
-        self.state.phase = "draining"
-        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
-        if self.shared_socket:
-            for server in getattr(self, "servers", []):
-                server.close()  # our copy of the daemon's socket: no new connections here
-        if self.on_drain is not None:
-            self.on_drain()
-        deadline = time.monotonic() + self.drain_timeout
-        while self.engine.in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        self.should_exit = True
-
-
 def serve(opts: ServeOptions, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM, the engine in this process: /health 503 until it has answered
     a warm-up request."""
+    from preload.worker.api.app import create_app  # (the HTTP stack: see serve_front)
+    from preload.worker.http_server import DrainingServer, http_config
+
     w = opts.worker
     state = WorkerState()
     llm = open_weights(opts, state, supervised=False, lazy_graphs=False)
@@ -253,6 +225,12 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
     engine in the slot's core process (front.py). It binds the slot's channel, waits for a
     core's hello (its tokenizer and limits), and then accepts; no CUDA here. The tokenizer
     is read from `tokenizer_dir` (the daemon's checkpoint) while the core starts."""
+    # The HTTP stack, imported here: a core never needs it, and a zygote imports it once it is
+    # ready (preloadd/zygote.py), so that a start's first front, forked at once, imports it
+    # beside its core's start, not before the fork.
+    from preload.worker.api.app import create_app
+    from preload.worker.http_server import DrainingServer, http_config
+
     w = opts.worker
     state = WorkerState(weights_note=f"the daemon's on {opts.state_dir}, through slot {slot}'s engine core")
     client = CoreClient(core_address(opts.state_dir, slot), read_tokenizer(tokenizer_dir))
@@ -311,11 +289,10 @@ async def publish_load(gated: GatedSocket, state: WorkerState) -> None:
         await asyncio.sleep(PUBLISH)
 
 
-def http_config(app, w) -> uvicorn.Config:
-    config = uvicorn.Config(BodyLimit(app, w.max_request_bytes), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
-    config.load()  # (before the slot: a spare's take-over is then only what follows)
-    return config
+def http_import_steps() -> list[Callable[[], object]]:
+    """The HTTP stack a front imports (FastAPI, uvicorn, the API's routes: 0.5 s on the CPU
+    machine, of a zygote's 2.7), as steps a zygote takes once it is ready (preloadd/zygote.py)."""
+    return [partial(importlib.import_module, name) for name in HTTP_MODULES]
 
 
 def freeze_objects() -> None:

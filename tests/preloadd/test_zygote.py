@@ -1,13 +1,16 @@
 """The zygote on its own (preloadd/zygote.py): launched with nothing but its state dir, it
 imports, then takes what its workers start with from the daemon's first message. It forks,
-so it has no threads. For GPU workers it imports their Triton kernels once it is ready, a
-step at a time while no fork request waits; for CPU workers it never loads Triton."""
+so it has no threads. Its fronts' HTTP stack, and for GPU workers their Triton kernels, it
+imports once it is ready, a step at a time while no fork request waits; for CPU workers it
+never loads Triton."""
 
 from __future__ import annotations
 
 import os
 import selectors
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -57,6 +60,24 @@ def test_a_zygote_for_gpu_workers_loads_triton_after_it_is_ready_and_one_for_cpu
     finally:
         z.retire()
         assert z.proc.wait(timeout=30) == 0  # (it exits when its channel closes)
+        z.close()
+
+
+def test_a_zygote_is_ready_with_what_a_core_imports_and_imports_the_http_stack_after(tmp_path, api):
+    """A core needs no HTTP stack: what a zygote imports before it is ready leaves it out (a
+    start's first front, forked at once, imports it itself beside its core's start), and the
+    zygote imports it once ready, for the fronts forked later (pydantic's native part mapped)."""
+    probe = "import sys, preload.worker.serve; print([m for m in ('fastapi', 'uvicorn', 'pydantic') if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "[]\n"
+    z = ready_zygote(tmp_path, api, False)
+    try:
+        deadline = time.monotonic() + 60
+        while not mapped(z.pid, "pydantic_core") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mapped(z.pid, "pydantic_core")
+    finally:
+        z.retire()
+        assert z.proc.wait(timeout=30) == 0
         z.close()
 
 
