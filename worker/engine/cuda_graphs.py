@@ -170,7 +170,8 @@ class DecodeGraphs:
         """rows: (token, position, blocks) of each row; the rest of `size` is padding."""
         host_ids, host_table, copied = self.host[self._turn]
         self._turn ^= 1
-        copied.synchronize()  # (its last copy out: long done, but the stream is what says so)
+        if not copied.query():  # (its last copy out: long done, but the stream is what says so)
+            copied.synchronize()
         ids, table, bs = host_ids.numpy(), host_table.numpy(), self.block_size
         width = 1
         for i, (token, pos, blocks) in enumerate(rows):
