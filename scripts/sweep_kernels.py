@@ -84,7 +84,8 @@ CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
 
 
 def moe_cases():
-    for tokens, block_ms in ((1, (16,)), (16, (16,)), (64, (16, 32, 64)), (256, (16, 32, 64))):
+    # (100: workload B's decode batch, block_rows' 32 there: 600 pairs over 64 experts)
+    for tokens, block_ms in ((1, (16,)), (16, (16,)), (64, (16, 32, 64)), (100, (16, 32)), (256, (16, 32, 64))):
         for block_m in block_ms:
             for fp8 in (False, True):
                 for kind in ("gate_up", "down"):
