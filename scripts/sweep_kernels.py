@@ -2,7 +2,8 @@
 graphs, rotating over several weight copies so L2 holds none of them between launches:
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
 (`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
-(`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode;
+(`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode; (`--moe`)
+the grouped GEMMs alone at decode's 1 to 256 tokens;
 (`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too,
 (`--mla-combine`) the combine of its splits alone, (`--mla-block`) the whole call over the loop's
 step from batch 1 to 128, and
@@ -410,7 +411,7 @@ def moe_decode_sweep():
 # A flag alone: its sweep, under its key in the JSON written
 ONE_SWEEP = {"--moe-decode": ("moe_decode", moe_decode_sweep), "--mla-combine": ("mla_combine", mla_combine_sweep),
              "--mla-block": ("mla_block", mla_block_sweep), "--mla": ("mla_serving", mla_serving_sweep),
-             "--dense": ("dense", dense_sweep)}
+             "--dense": ("dense", dense_sweep), "--moe": ("moe", moe_sweep)}
 
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] in ONE_SWEEP:
