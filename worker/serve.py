@@ -225,16 +225,17 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
     engine in the slot's core process (front.py). It binds the slot's channel, waits for a
     core's hello (its tokenizer and limits), and then accepts; no CUDA here. The tokenizer
     is read from `tokenizer_dir` (the daemon's checkpoint) while the core starts."""
+    w = opts.worker
+    state = WorkerState(weights_note=f"the daemon's on {opts.state_dir}, through slot {slot}'s engine core")
+    client = CoreClient(core_address(opts.state_dir, slot))  # bound first: a core's hello waits there, not in retries
+    link.beat(client.progress)
     # The HTTP stack, imported here: a core never needs it, and a zygote imports it once it is
     # ready (preloadd/zygote.py), so that a start's first front, forked at once, imports it
     # beside its core's start, not before the fork.
     from preload.worker.api.app import create_app
     from preload.worker.http_server import DrainingServer, http_config
 
-    w = opts.worker
-    state = WorkerState(weights_note=f"the daemon's on {opts.state_dir}, through slot {slot}'s engine core")
-    client = CoreClient(core_address(opts.state_dir, slot), read_tokenizer(tokenizer_dir))
-    link.beat(client.progress)
+    client.read_ahead = read_tokenizer(tokenizer_dir)  # (the hello is read once the loop below runs)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
