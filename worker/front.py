@@ -79,9 +79,7 @@ class Request:
 
 
 class CoreClient:
-    def __init__(self, address: str, read_ahead: Tokenizer | None = None):
-        """`read_ahead`: the checkpoint's tokenizer, read from its files while the slot's core
-        started (serve.py); taken for the core's own when its hello carries the same files."""
+    def __init__(self, address: str):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a core that is gone fails, not vanishes
@@ -98,7 +96,9 @@ class CoreClient:
         self.heard = 0.0  # its last beat
         self.info: dict = {}  # its hello, less the files
         self.tokenizer: Tokenizer | None = None
-        self.read_ahead = read_ahead
+        # The checkpoint's tokenizer, read from its files while the slot's core started (serve.py):
+        # taken for the core's own when its hello carries the same files.
+        self.read_ahead: Tokenizer | None = None
         self.hello = asyncio.Event()  # set once a core said hello
         self._stats = EngineStats(0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
         self.on_step: Callable[[], None] = lambda: None  # after each beat (metrics)

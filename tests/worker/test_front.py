@@ -215,7 +215,8 @@ def test_a_tokenizer_read_ahead_is_the_fronts_where_the_cores_hello_carries_its_
     assert read_tokenizer(None) is None and read_tokenizer(str(tmp_path / "missing")) is None
 
     async def main(read_ahead):
-        client = CoreClient(address, read_ahead)
+        client = CoreClient(address)
+        client.read_ahead = read_ahead
         reader = asyncio.ensure_future(client.run())
         if not cores:
             cores.append(await asyncio.to_thread(start_core, address))

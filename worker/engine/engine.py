@@ -395,7 +395,7 @@ class Engine:
                     steered = steer(self._processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
                                     self.stop_ids, [seq.matcher])[0]
                     token = sample(steered, seq.params, seq.generator_at(len(seq.output)), seq.output)
-                    drawn += drawn_on_host([seq], row[None], torch.tensor([token], device=self.device))
+                    drawn += drawn_on_host([seq], row[None], on_device([token], self.device))
             except SequenceFault as fault:
                 drawn.append(fault)
         return drawn
