@@ -198,7 +198,7 @@ def main() -> None:
         # worker's first collection neither scans it (~0.1 s) nor copies its pages on write.
         gc.freeze()
         idle_work = [*(triton_import_steps() if spec.get("gpu") else []), *http_import_steps(), gc.freeze]
-        send(control, {"ready": True, "pid": os.getpid(), "at": time.monotonic()})  # (one clock for all processes)
+        send(control, {"ready": True, "pid": os.getpid(), "at": time.time()})  # (wall clock: load_board.CELL says why)
         # (a host whose kernel cache lacks what the workers' list names: compiled beside the load)
         compiling = ahead.compile_listed() if spec.get("gpu") else None
         while True:
@@ -298,7 +298,7 @@ class Zygote:
         self.pidfd = os.pidfd_open(self.proc.pid)  # readable once it has exited
         self.version = version  # of the code it imported
         self.ready = False
-        self.launched, self.ready_at = time.monotonic(), 0.0
+        self.launched, self.ready_at = time.time(), 0.0  # (the wall clock, as the zygote's "at")
 
     def configure(self, spec: dict, listen_fd: int) -> None:
         """What every worker is started with, and the environment they need (WORKER_ENV,
@@ -315,7 +315,7 @@ class Zygote:
         self.ready = bool(ready)
         if self.ready:
             at = ready.get("at")
-            self.ready_at = at if isinstance(at, float) and self.launched <= at <= time.monotonic() else time.monotonic()
+            self.ready_at = at if isinstance(at, float) and self.launched <= at <= time.time() else time.time()
         return self.ready
 
     def fork(self, slot: int | None, role: str = "core", dp_rank: int = 0) -> tuple[int, socket.socket]:
@@ -441,7 +441,7 @@ class Zygotes:
             log.info("zygote ready (pid %d), replacing one that %s", z.pid, "was outdated" if old else "died")
         else:  # (on a cold start's path: a worker forks from it once the load is done, and it is ready)
             log.info("zygote ready (pid %d) %.3f s after its launch, seen %.3f s later", z.pid, z.ready_at - z.launched,
-                     time.monotonic() - z.ready_at)
+                     time.time() - z.ready_at)
         self._had_one = True
         if old is not None:
             self._retire(old)

@@ -25,7 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 BOARD = "load.board"
-CELL = struct.Struct("<qd")  # requests in flight, time.monotonic() when written (one clock on the host)
+CELL = struct.Struct("<qd")  # requests in flight, time.time() when written
+# (The wall clock: the one every front reads alike. Fronts forked from a zygote CRIU restored
+# (preloadd/snapshot.py) run in the time namespace CRIU restores into, whose CLOCK_MONOTONIC
+# lags the host's by the time since the dump: monotonic stamps of fronts of two starts, or of a
+# restored zygote's and a renewed one's, would read as stale or ahead to each other.)
 CELLS = 1024  # slots at most: --workers (64) x --data-parallel-size (16)
 STALE = 2.0  # seconds: a cell older than this is a dead (or stopped) front's
 DEFER = 0.02  # seconds a front leaves a waiting connection to less loaded peers
@@ -49,16 +53,16 @@ class LoadBoard:
         self._written = (-1, 0.0)
 
     def publish(self, load: int, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = time.time() if now is None else now
         if load != self._written[0] or not 0 <= now - self._written[1] < PUBLISH:
             CELL.pack_into(self._map, self.slot * CELL.size, load, now)
             self._written = (load, now)
 
     def least_other(self, now: float | None = None) -> int | None:
         """The fewest requests in flight at a live peer; None when no peer is live."""
-        now = time.monotonic() if now is None else now
+        now = time.time() if now is None else now
         live = [load for cell, (load, at) in enumerate(CELL.iter_unpack(self._map))
-                if 0 <= now - at < STALE and cell != self.slot]  # (a cell from before a reboot: ahead of the clock)
+                if 0 <= now - at < STALE and cell != self.slot]  # (ahead of the clock: it was set back)
         return min(live, default=None)
 
     def close(self) -> None:
@@ -101,7 +105,7 @@ class GatedSocket(socket.socket):
 
     def _declines(self) -> tuple[int, bool]:
         """This front's load, and whether to leave the waiting connection to a peer."""
-        now = time.monotonic()
+        now = time.time()  # (the board's clock)
         mine = max(self.load(), self._published + self._accepted)
         self.board.publish(mine, now)
         if now - self._episode > 2 * DEFER:  # (a connection waits after a quiet spell: a new episode)

@@ -4,15 +4,19 @@ takes the connection: a peer that does not accept cannot strand a client); a dea
 draining peer's cell does not count; and through a real daemon with two workers, long
 requests arriving one after another are spread over both fronts, where the kernel's
 accept order alone piled them up (this test with the gate off, DEFER = 0, on the CPU
-machine: 4/2 three times out of three)."""
+machine: 4/2 three times out of three). Fronts in another time namespace (forked from a zygote
+CRIU restored: their monotonic clock lags the host's) count as any other."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import pytest
 from daemons import free_port, running_daemon, total
 from supervised import api, start_args
 
@@ -58,7 +62,7 @@ def test_the_least_loaded_front_or_one_without_live_peers_accepts_at_once(tmp_pa
         if case == "peer busier":
             peer.publish(3)
         elif case == "peer stale":
-            peer.publish(0, now=time.monotonic() - STALE - 1)  # (a front that died long ago)
+            peer.publish(0, now=time.time() - STALE - 1)  # (a front that died long ago)
         else:
             peer = LoadBoard(tmp_path, 1)
             peer.publish(0)
@@ -75,9 +79,9 @@ def test_the_board_counts_only_live_peers_and_a_fronts_own_accepts_at_once(tmp_p
     a, b, c = LoadBoard(tmp_path, 0), LoadBoard(tmp_path, 7), LoadBoard(tmp_path, 1023)
     assert a.least_other() is None
     b.publish(4)
-    c.publish(2, now=time.monotonic() - STALE - 0.1)
+    c.publish(2, now=time.time() - STALE - 0.1)
     assert a.least_other() == 4 and b.least_other() is None
-    c.publish(2, now=time.monotonic() + 3600)  # (written before a reboot: the monotonic clock began again since)
+    c.publish(2, now=time.time() + 3600)  # (written before the clock was set back)
     assert a.least_other() == 4
     c.publish(2)
     assert a.least_other() == 2 and c.least_other() == 4
@@ -131,3 +135,16 @@ def test_long_requests_arriving_one_by_one_are_spread_over_both_fronts(tiny_chec
         # loaded peer, and a peer's loop busy longer than that on a loaded 2-core machine lets it
         # through (4 and 2 seen in CI). The kernel's accept order alone sent 4 of 4 to one front.
         assert sum(served) == 6 and min(served) >= 2, served
+
+
+def test_a_front_whose_monotonic_clock_lags_the_hosts_counts_as_live(tmp_path):
+    # CRIU restores a snapshot's zygote into a time namespace whose CLOCK_MONOTONIC goes on
+    # from the dump's: its fronts' cells must read as live to fronts of a launched zygote.
+    lagging = ["unshare", "--time", "--monotonic", str(-int(time.monotonic() // 2)), "--fork", sys.executable, "-c"]
+    try:
+        subprocess.run([*lagging, "pass"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"no time namespace here (unshare --time): {e}")
+    write = f"from preload.worker.load_board import LoadBoard; LoadBoard({str(tmp_path)!r}, 1).publish(3)"
+    subprocess.run([*lagging, write], check=True)
+    assert LoadBoard(tmp_path, 0).least_other() == 3
