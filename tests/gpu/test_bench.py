@@ -1,6 +1,7 @@
 """The benchmarks' figures on the GPU, where they are measured: a decode step carries the
 whole batch and reads no more than the HBM can deliver in its time (the byte count is
-what the step must read, so the % cannot pass 100); a prefill step's breakdown by
+what the step must read, so the % cannot pass 100); its profile counts each step the GPU ran
+once; a prefill step's breakdown by
 operation adds up to its time on the GPU's timeline and names the prefill's own
 operations. (The GPU's busy time comes from other runs, under the profiler, which
 lengthens small kernels: on a 5 ms step it came out above the events' span.)
@@ -24,6 +25,15 @@ def test_a_decode_run_stays_within_the_bandwidth():
     for r in result["runs"]:
         assert r["tokens_per_step"] == r["batch"], r
         assert 0 < r["hbm_percent"] <= 100, r
+
+
+def test_a_decode_profile_counts_each_step_the_gpu_ran():
+    # (Steps launched ahead: the last call's step runs inside the profiled window; counted as
+    # 5 where the GPU ran 6, every kernel showed 1.2 times a step and 20% more time.)
+    result = run_decode(Path(BUNDLED_MODEL), "cuda", ["none"], [(16, 256)], 16, False, lambda msg: None, profile=True)
+    (p,) = result["profiles"]
+    sampled = [k for k in p["top"] if "ArgMax" in k["kernel"]]  # (greedy draws: one argmax a step)
+    assert sampled and all(k["calls_per_step"] == 1.0 for k in sampled), p["top"]
 
 
 def test_a_prefill_steps_operations_add_up_to_its_time():
