@@ -72,6 +72,7 @@ class StartRun:
     worker_log: list[str] = field(default_factory=list)  # with workers: the daemon's and worker 0's log lines (start_lines)
     first_request_s: float | None = None  # with workers: the first request once ready (first_request)
     restore: dict | None = None  # with --restore: the daemon's /status word on it (restored, or why not)
+    settled_s: float | None = None  # a first start: ready -> nothing left to capture or compile while idle (settle)
 
     def sample(self, tree: list[psutil.Process], daemon: psutil.Process | None, port: int, now: float) -> None:
         """One poll of the launcher's process tree while it starts."""
@@ -88,9 +89,11 @@ class StartRun:
             self.port_open_s, self.at_port_open = now, proc_memory(daemon.pid)
 
 
-def run_start(model: Path, quant: str, device: str, workers: int, restore: Path | None = None) -> StartRun:
+def run_start(model: Path, quant: str, device: str, workers: int, restore: Path | None = None,
+              settled: bool = False) -> StartRun:
     """Launch the real `preload start`, time it to ready, sample memory, then stop it;
-    `restore`: with --restore (its zygote from that snapshot; a start that did not take it fails)."""
+    `restore`: with --restore (its zygote from that snapshot; a start that did not take it fails);
+    `settled`: stopped only once its worker has nothing left to capture or compile (settle)."""
     run = StartRun(quant)
     port = free_port()
     extra = (("--workers", workers, "--spare-workers", 0) if workers else ()) + (("--restore", restore) if restore else ())
@@ -133,6 +136,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
                                **{k: mem.get(k, 0) for k in ("anon", "file", "shmem")}}
             if workers:
                 run.first_request_s, marks = first_request(d.api_port)
+                if settled:
+                    run.settled_s = settle(d.api_port, run.start_to_ready_s + t0)
                 run.worker_log = sorted(start_lines(Path(d.state_dir)) + marks)
             t1 = time.perf_counter()
             stop = preload("stop", "--state-dir", d.state_dir)
@@ -148,6 +153,27 @@ START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "rea
                "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in",
                                 "after the first request came"),
                "front-0.log": ("ready in",)}
+
+
+SETTLE_TIMEOUT = 300.0  # seconds a first start's worker may take to capture and compile all it does while idle
+
+
+def settle(port: int, ready_at: float) -> float | None:
+    """Seconds from `ready_at` (perf_counter) until the workers' /metrics show no graph or
+    warm-up pending; None if some still are after SETTLE_TIMEOUT. A first start fills the
+    kernel cache the warm starts after it use: stopped at its first answer, before its idle
+    captures reach batch 4, it left the next start to compile that batch's MLA kernels while
+    its first request waited (docs/cold-start.md)."""
+    import httpx
+
+    while time.perf_counter() - ready_at < SETTLE_TIMEOUT:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        pending = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("preload_engine_graphs_pending")]
+        if pending and sum(pending) == 0:
+            return time.perf_counter() - ready_at
+        time.sleep(0.2)
+    return None
 
 
 FIRST_PROMPT = list(range(1, 33))  # token ids: a prompt runs eagerly, not in a decode graph
@@ -249,7 +275,7 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
                 result["first_start"] = {}
                 for quant in quants:
                     progress(f"first start, no kernels compiled yet (quant {quant}, recorded apart)")
-                    result["first_start"][quant] = asdict(run_start(model, quant, device, workers))
+                    result["first_start"][quant] = asdict(run_start(model, quant, device, workers, settled=True))
                     if ahead.list_path(kernels).exists():  # (GPU workers record one)
                         progress(f"first start on a cache holding only the list the first recorded (quant {quant})")
                         result["first_start"][f"{quant} listed"] = listed_start(model, quant, device, workers,
@@ -439,6 +465,8 @@ def format_table(result: dict) -> str:
         lines.append(f"{quant + ' first':15}  a first start, {said}: ready {first['start_to_ready_s']:.3f} s"
                      f" = {_ratio(first['ratio_ready_over_cat'])} `cat`, load {first['load_seconds']:.3f} s"
                      + (f", its first request {first['first_request_s']:.3f} s" if first.get("first_request_s") else "")
+                     + (f", nothing left to capture or compile {first['settled_s']:.1f} s after ready"
+                        if first.get("settled_s") is not None else "")
                      + "; from the logs:")
         lines += [f"{'':17}{line}" for line in first["worker_log"]]
     snap = result.get("snapshot")

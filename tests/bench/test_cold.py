@@ -3,7 +3,9 @@ of the daemon's and worker 0's logs that time it (the zygote launched, the healt
 loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready, its
 front ready), from a real `preload start --workers 1`,
 in time order, kept in the JSON and printed under the table; then its first request's: when the bench
-sent it, the core's first steps, when it was answered."""
+sent it, the core's first steps, when it was answered. A first start (which fills the kernel
+cache the warm starts after it use) is stopped only once its worker has nothing left to
+capture or compile while idle."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from preload.bench import cold
 
 
 def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
-    run = cold.run_start(BUNDLED_MODEL, "none", "cpu", workers=1)
+    run = cold.run_start(BUNDLED_MODEL, "none", "cpu", workers=1, settled=True)
     phrases = [p for phrases in cold.START_LINES.values() for p in phrases]
     found = {phrase: [line for line in run.worker_log if phrase in line] for phrase in phrases}
     for phrase in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started", "weights attached in", "first step", "KV cache",
@@ -31,6 +33,7 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     timeline = [next(i for i, line in enumerate(run.worker_log) if p in line)
                 for p in ("bench: the first request sent", "step 1 (prompt)", "bench: its answer received")]
     assert timeline == sorted(timeline), run.worker_log
+    assert run.settled_s is not None and run.first_request_s <= run.settled_s < cold.SETTLE_TIMEOUT, run.settled_s
 
     summary = cold.summarize_starts([run], warm_s=1.0, first_s=1.0)
     assert summary["worker_log"] == run.worker_log
