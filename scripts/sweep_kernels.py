@@ -1,7 +1,8 @@
 """Tile sweep of the hot decode kernels at V2-Lite shapes on the GPU, timed inside CUDA
 graphs, rotating over several weight copies so L2 holds none of them between launches:
 the grouped expert GEMMs (fused_moe), the MLA decode split kernel, the router's gate,
-(`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, and
+(`--dense`) the fp8 linear layer at a few rows against bf16 cuBLAS, (`--dense-serving`) bf16
+cuBLAS against the grouped GEMM at serving's decode batches (the shared experts' SwiGLU too), and
 (`--moe-decode`) a decode step's whole MoE layer, grouped GEMMs against moe_decode; (`--moe`)
 the grouped GEMMs alone at decode's 1 to 256 tokens;
 (`--mla`) the MLA decode at serving's batches and contexts, pipelining depth and splits too,
@@ -347,6 +348,45 @@ def dense_sweep():
     return results
 
 
+def dense_serving_sweep():
+    """V2-Lite's dense bf16 matrices at serving's decode batches (64 to 256 rows): cuBLAS
+    against the grouped GEMM with one expert (as fp8_linear runs e4m3 rows past GEMV_ROWS),
+    and the shared experts' gate, up and SiLU: three cuBLAS launches and two elementwise ones
+    against one grouped GEMM with SWIGLU. GB/s of the matrices read."""
+    results = []
+    for t in (64, 100, 128, 256):
+        x = torch.randn(t, D, device=dev, dtype=torch.bfloat16)
+        block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # (fp8_linear's choice)
+        capacity = triton.cdiv(t, block_m) * block_m
+        aligned = (torch.arange(capacity, dtype=torch.int32, device=dev).clamp_(max=t),
+                   torch.zeros(capacity // block_m, dtype=torch.int32, device=dev),
+                   torch.full((1,), capacity, dtype=torch.int32, device=dev))
+        for name, (n, k) in DENSE.items():
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+            a = x if k == D else torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(t, n, device=dev, dtype=torch.bfloat16)
+            row = dict(matrix=name, n=n, k=k, rows=t, cublas_us=timed(lambda c: torch.nn.functional.linear(a, ws[c])),
+                       grouped_us=timed(lambda c: fm._launch(a, ws[c][None], out, aligned, t, 1, block_m, rows_per_pair=True)))
+            for key in ("cublas", "grouped"):
+                row[f"{key}_gb_s"] = n * k * 2 / row[f"{key}_us"] / 1e3
+            results.append(row)
+            print(row, file=sys.stderr)
+        n = DENSE["shared_gate"][0]
+        gates = [torch.randn(n, D, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        ups = [torch.randn(n, D, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        h = torch.empty(t, n, device=dev, dtype=torch.bfloat16)
+        F = torch.nn.functional
+        row = dict(matrix="shared_swiglu", n=n, k=D, rows=t,
+                   cublas_us=timed(lambda c: F.silu(F.linear(x, gates[c])) * F.linear(x, ups[c])),
+                   grouped_us=timed(lambda c: fm._launch(x, gates[c][None], h, aligned, t, 1, block_m,
+                                                         w2=ups[c][None], rows_per_pair=True)))
+        for key in ("cublas", "grouped"):
+            row[f"{key}_gb_s"] = 2 * n * D * 2 / row[f"{key}_us"] / 1e3
+        results.append(row)
+        print(row, file=sys.stderr)
+    return results
+
+
 def absorb_sweep():
     """MLA's absorbed products (16 heads, 128 by 512 each, bf16): cuBLAS's einsum against head_matvec."""
     from preload.kernels.attention import absorbed_weights, per_head
@@ -411,7 +451,8 @@ def moe_decode_sweep():
 # A flag alone: its sweep, under its key in the JSON written
 ONE_SWEEP = {"--moe-decode": ("moe_decode", moe_decode_sweep), "--mla-combine": ("mla_combine", mla_combine_sweep),
              "--mla-block": ("mla_block", mla_block_sweep), "--mla": ("mla_serving", mla_serving_sweep),
-             "--dense": ("dense", dense_sweep), "--moe": ("moe", moe_sweep)}
+             "--dense": ("dense", dense_sweep), "--moe": ("moe", moe_sweep),
+             "--dense-serving": ("dense_serving", dense_serving_sweep)}
 
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] in ONE_SWEEP:
