@@ -149,7 +149,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
     return run
 
 
-START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "ready in", "zygote ready", "worker 0 started", "worker 0 ready"),
+START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "loaded in", "ready in", "zygote ready",
+                              "worker 0 started", "worker 0 ready"),
                "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in",
                                 "after the first request came"),
                "front-0.log": ("ready in",)}

@@ -421,6 +421,7 @@ class Daemon:
             raise
         self.progress.seconds = seconds
         self._loaded(copies)
+        log.info("loaded in %.3f s", seconds)  # (a start's timeline: what the first worker waits for, with the zygote)
 
     def _load_copy(self, device: str, copying: CopyPlan | None, on_progress) -> Loaded:
         o, r = self.opts, self.r

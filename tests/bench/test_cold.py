@@ -1,11 +1,11 @@
 """`preload bench cold` with workers says where the first worker's start went: the lines
 of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
-loading, loaded, the zygote's imports done, worker started, weights attached, first step, KV cache, ready, its
-front ready), from a real `preload start --workers 1`,
-in time order, kept in the JSON and printed under the table; then its first request's: when the bench
-sent it, the core's first steps, when it was answered. A first start (which fills the kernel
-cache the warm starts after it use) is stopped only once its worker has nothing left to
-capture or compile while idle."""
+loading, loaded (so that the load's end and the zygote's ready compare), the zygote's
+imports done, worker started, weights attached, first step, KV cache, ready, its front
+ready), from a real `preload start --workers 1`, in time order, kept in the JSON and printed
+under the table; then its first request's: when the bench sent it, the core's first steps,
+when it was answered. A first start (which fills the kernel cache the warm starts after it
+use) is stopped only once its worker has nothing left to capture or compile while idle."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     run = cold.run_start(BUNDLED_MODEL, "none", "cpu", workers=1, settled=True)
     phrases = [p for phrases in cold.START_LINES.values() for p in phrases]
     found = {phrase: [line for line in run.worker_log if phrase in line] for phrase in phrases}
-    for phrase in ("zygote launched", "health port", "loading ", "zygote ready", "worker 0 started", "weights attached in", "first step", "KV cache",
-                   "worker 0 ready"):
+    for phrase in ("zygote launched", "health port", "loading ", "loaded in", "zygote ready", "worker 0 started",
+                   "weights attached in", "first step", "KV cache", "worker 0 ready"):
         assert len(found[phrase]) == 1, (phrase, run.worker_log)  # (graphs are captured on a GPU only)
     assert len(found["ready in"]) == 3, run.worker_log  # the daemon's load, the worker, its front
     assert any("front-0" in line for line in found["ready in"]), run.worker_log
