@@ -78,7 +78,7 @@ def test_steps_launched_ahead_give_exactly_what_steps_one_at_a_time_give(pair, c
     pipeline = graphed.engine.pipeline
     assert pipeline is not None
     launched, launch = [], pipeline._launch
-    pipeline._launch = lambda seqs, starts, tokens=None: (launched.append(tokens is not None), launch(seqs, starts, tokens))[1]
+    pipeline._launch = lambda batch, before: (launched.append(before is not None), launch(batch, before))[1]
     batch = prompts(count, seed=count + 1)
     graphed.generate(batch, max_tokens=1)  # (so that every run below finds the prompts' blocks in the prefix cache)
     try:

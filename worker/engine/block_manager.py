@@ -130,13 +130,15 @@ class BlockManager:
         self.queried_tokens += len(seq)
         self.hit_tokens += hit
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, upto: int | None = None) -> None:
         """Key the blocks `seq` has filled since it was last called, so that later
-        sequences may share them (a block cached already under that key stays the one)."""
+        sequences may share them (a block cached already under that key stays the one);
+        `upto`: those of its first `upto` tokens only (a step launched ahead has booked
+        more, whose tokens may not have landed: pipeline.py)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_keys), seq.computed // bs):
+        for i in range(len(seq.block_keys), (seq.computed if upto is None else upto) // bs):
             parent = seq.block_keys[-1] if seq.block_keys else None
             key = block_key(seq.cache_source, parent, seq.tokens(i * bs, (i + 1) * bs))
             seq.block_keys.append(key)

@@ -29,7 +29,7 @@ from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
-from preload.worker.engine.pipeline import DecodePipeline
+from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
@@ -164,8 +164,8 @@ class Engine:
         if device.type == "cuda" and self.cache.ptrs is not None:
             self.warmup = AttentionWarmup(model, self.cache, config.block_size, self.scratch_block,
                                           config.max_num_seqs, device)
-        # Decode steps launched ahead of their tokens (pipeline.py); on a CPU nothing would overlap.
-        self.pipeline = DecodePipeline(self) if config.async_scheduling and device.type == "cuda" else None
+        # Steps launched ahead of the last one's tokens (pipeline.py); on a CPU nothing would overlap.
+        self.pipeline = StepPipeline(self) if config.async_scheduling and device.type == "cuda" else None
         self.clock = StepClock()
 
     @property
@@ -200,7 +200,7 @@ class Engine:
             self.scheduler.finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.flight is not None)
+        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.busy())
 
     def capture_idle(self) -> bool:
         """Capture the smallest decode graph a lazy start left (cuda_graphs.py), then a few
@@ -243,7 +243,7 @@ class Engine:
         (with --async-scheduling, the batch launched by the call before, if it was: pipeline.py)."""
         self.clock.start()
         try:
-            if self.pipeline is not None and self.pipeline.takes_step():
+            if self.pipeline is not None:
                 return self.pipeline.step()
             return self.run(self.scheduler.schedule())
         finally:
@@ -322,7 +322,7 @@ class Engine:
             hidden = self.model.forward(tokens, meta, self.cache)
         # (indices queued behind the forward: a copy from pageable memory would wait for it, and the
         # GPU would idle through each launch after it, the head, sampling, until the tokens' copy)
-        picked = hidden if rows == list(range(len(hidden))) else hidden[on_device(rows, dev)]
+        picked = hidden if rows == list(range(len(hidden))) else hidden[on_device(rows, dev, torch.long)]
         return self.model.logits(picked).log_softmax(-1), hidden
 
     def _verify(self, seq: Sequence, start: int, rows: torch.Tensor, judged: list[int] | None) -> Output:
@@ -416,12 +416,18 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
         """Append the token drawn for `seq`; say what it adds."""
-        p = seq.params
         seq.output.append(token)
+        return self.took(seq, len(seq.output) - 1, token, logprob, top)
+
+    def took(self, seq: Sequence, index: int, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
+        """`token`, drawn for `seq`, is its output token `index` (the last, or the placeholder a
+        step launched ahead booked there: pipeline.py); say what it adds."""
+        p = seq.params
+        seq.output[index] = token
         out = Output(seq.id, [token])
-        if len(seq.output) == 1:
+        if index == 0:
             out.cached_tokens = seq.cached_tokens
-        if len(seq.output) == 1 and seq.prompt_logprobs is not None:
+        if index == 0 and seq.prompt_logprobs is not None:
             out.prompt_logprobs, out.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
             if seq.prompt_top_logprobs is not None:
                 out.prompt_top_logprobs = list(seq.prompt_top_logprobs)
@@ -436,20 +442,21 @@ class Engine:
                 consumed = seq.matcher.consume_token(token)
             if not consumed:
                 raise GrammarRefused(f"at output token {len(seq.output)} ({token}): {seq.matcher.get_error().splitlines()[0]}")
-        reason = self._finish_reason(seq, token)
+        reason = self._finish_reason(seq, index, token)
         if reason is not None:
+            del seq.output[index + 1 :]  # (placeholders a step launched after this one booked)
             self.scheduler.finish(seq, reason)
             out.finish_reason = reason
         return out
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Whether `token` ends `seq` by itself (stop strings are judged on the text, by
-        whoever reads it: output_text.py)."""
+    def _finish_reason(self, seq: Sequence, index: int, token: int) -> str | None:
+        """Whether `token`, output token `index`, ends `seq` by itself (stop strings are judged
+        on the text, by whoever reads it: output_text.py)."""
         p = seq.params
         if (token in self.stop_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
         if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete: nothing may follow
             return "stop"
-        if len(seq.output) >= p.max_tokens:
+        if index + 1 >= p.max_tokens:
             return "length"
         return None

@@ -1,33 +1,32 @@
-"""Decode steps launched one ahead (--async-scheduling): the next step goes to the GPU
-before this step's tokens reach the host.
+"""Steps launched one ahead (--async-scheduling): the next step goes to the GPU before
+this step's tokens reach the host, prompt and mixed steps as well as decode steps.
 
-Between two decode steps the host waits for the tokens, detokenizes, checks stop
-conditions, schedules, fills the next step's inputs and launches it: on an H200 at
-batch 1 that is about 0.4 ms against the GPU's 2.6, and the GPU idles through it. But
-when every running sequence is decoding and nobody waits to be admitted, the next
-step's batch is known before its tokens are: the same sequences, one position on. So
-the engine launches step k+1 with step k's draws still on the device (copied into its
-inputs there), and only then waits for step k's tokens and does the host's work, while
-the GPU computes k+1. Sampling runs on the device as part of the launch; what the host
-needs of it comes back in one copy that the next launch does not wait for.
+Between two steps the host waits for the tokens, detokenizes, checks stop conditions,
+schedules, builds the next step's inputs and launches it: on an H200 about 0.4 ms of a
+batch-1 decode step's 2.6, and 3-5 ms of a 2,048-token prompt step's 27, the GPU idle
+throughout. But what the next step computes does not depend on the values drawn in this
+one, only on how many tokens each sequence has: so the engine books a step as soon as it is
+launched (each sequence's `computed` moved on, a placeholder appended to the output of each
+that draws a token), schedules the next step on that state, launches it with the drawn
+tokens copied into its inputs on the device, and only then waits for this step's tokens
+and does the host's work while the GPU computes the next. Sampling runs on the device as
+part of the launch; what the host needs of it comes back in one copy that the next launch
+does not wait for. Landing a step puts the drawn values in place of its placeholders.
 
-What it costs: a sequence that step k finishes (a stop token, a stop string, an abort)
-was computed once more in k+1 for nothing; that step's cache write lands in blocks the
-sequence has released, before (in the stream's order) anyone else can be given them.
-A sequence whose step-k token is its last by length is known ahead: step k+1 is
-launched without it, the others' draws picked on the device (a batch whose requests end
-at different lengths would otherwise run a step one at a time at every end). What it
-needs, else steps run one at a time as without it: sampling that does not read the
-host's copy of the output (penalties, logit steering, grammars and logits processors
-do), no drafting, no prompt being scored, the same sequences still running and nobody
-waiting, and cache blocks for the next position. On a CPU nothing runs asynchronously,
-so the engine does not use it.
+What it costs: a sequence that a step ends (a stop token, an abort) was computed once more
+in the step launched after it, for nothing; that step's cache write lands in blocks the
+sequence has released, before (in the stream's order) anyone else can be given them. A
+sequence whose booked token is its last by length is left out of the next step's schedule.
+What it needs, else steps run one at a time as without it: sampling that does not read the
+host's copy of the output (penalties, logit steering, grammars and logits processors do),
+no drafting, no prompt being scored. On a CPU nothing runs asynchronously, so the engine
+does not use it (the tests give it one).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,117 +41,170 @@ from preload.worker.engine.sequence import Sequence
 if TYPE_CHECKING:  # (the engine makes its pipeline)
     from preload.worker.engine.engine import Engine
 
+PLACEHOLDER = -1  # an output token drawn on the device, not yet landed (never fed: _inputs)
+
 
 @dataclass
 class Flight:
-    """A decode step launched and not yet landed: one token for each of `seqs` from
-    position `starts[i]`; its draws on the device (`tokens`, the next step's inputs) and
-    on their way to the host (`host`, complete when `copied` is). If drawing failed at
-    launch, `logprobs` instead: landing draws row by row, as Engine.run does."""
+    """A step launched and booked, not yet landed: `spans` (sequence, start, n) computed;
+    `seqs` draw a token each, at output index `marks[i]`, drawn into `tokens` on the device
+    (the next step's inputs) and on their way to the host (`host`, complete when `copied`
+    is)."""
 
-    seqs: list[Sequence]
-    starts: list[int]
-    tokens: torch.Tensor | None
+    spans: list[tuple[Sequence, int, int]]
+    seqs: list[Sequence] = field(default_factory=list)
+    marks: list[int] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
     host: torch.Tensor | None = None
     n_top: int = 0
     copied: torch.cuda.Event | None = None  # None: on a CPU, where the copy is done when made
-    logprobs: torch.Tensor | None = None
+    faults: dict[Sequence, SequenceFault] = field(default_factory=dict)  # whose draw failed: they end at landing
 
 
-class DecodePipeline:
+def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
+    """Whether `batch` may be launched before the step in flight lands: every draw made
+    from the device's log-probs alone, nothing read back mid-step."""
+    if not batch or engine.drafter is not None or engine.processors:
+        return False
+    return all(not seq.drafts and not seq.wants_prompt_logprobs and not seq.params.shapes_logits
+               and seq.matcher is None for seq, _ in batch)
+
+
+class StepPipeline:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.flight: Flight | None = None
+        self.next: list[tuple[Sequence, int]] | None = None  # scheduled after the flight, to run from the host
 
-    def takes_step(self) -> bool:
-        """Whether the engine's next step is this pipeline's: one is in flight, or the
-        running batch is one it can launch."""
-        return self.flight is not None or self._steady(self.engine.scheduler.running)
+    def busy(self) -> bool:
+        return self.flight is not None or self.next is not None
 
     def step(self) -> list[Output]:
         """Land the step in flight (or launch one, and land that), launching the next
         before the landing whenever it may."""
+        e = self.engine
         flight, self.flight = self.flight, None
-        self.engine.clock.kind = "decode_ahead"
         if flight is None:
-            batch = self.engine.scheduler.schedule()
-            if any(n != 1 for _, n in batch) or len(batch) != len(self.engine.scheduler.running):
-                return self.engine.run(batch)  # (not the whole running batch: the step's budget, or a preemption)
-            self.engine.clock.kind = "decode"
-            flight = self._launch([seq for seq, _ in batch], [seq.computed for seq, _ in batch])
-        keep = self._continuing(flight)
-        if keep:
-            seqs, starts = [flight.seqs[i] for i in keep], [flight.starts[i] + 1 for i in keep]
-            for seq, start in zip(seqs, starts):
-                self.engine.blocks.grow(seq, start + 1)
-            tokens = flight.tokens
-            if len(keep) < len(flight.seqs):
-                tokens = tokens.index_select(0, on_device(keep, tokens.device))
-            self.flight = self._launch(seqs, starts, tokens)
+            batch, self.next = self.next or e.scheduler.schedule(), None
+            batch = [(seq, n) for seq, n in batch if not seq.finished]  # (ended by the landing that scheduled it)
+            if not launches_ahead(e, batch):
+                return e.run(batch)
+            e.clock.kind = "decode" if all(n == 1 for _, n in batch) else "prompt"
+            flight = self._launch(batch, None)
+        else:
+            e.clock.kind = "decode_ahead" if all(n == 1 for _, _, n in flight.spans) else "prompt"
+        batch = e.scheduler.schedule(skip=drawn_last(flight))
+        if launches_ahead(e, batch):
+            self.flight = self._launch(batch, flight)
+        elif batch:
+            self.next = batch  # (its inputs are read on the host, once this flight has landed)
         return self._land(flight)
 
-    def _steady(self, seqs: list[Sequence]) -> bool:
-        """Whether `seqs`, the running batch, can be launched ahead: each decoding a token,
-        drawn from the device's log-probs alone."""
+    def _launch(self, batch: list[tuple[Sequence, int]], before: Flight | None) -> Flight:
+        """Compute `batch` (inputs: the host's tokens, and `before`'s draws on the device where
+        they are fed), draw a token for each sequence whose pending tokens are all in, queue
+        the draws' copy to the host, and book the step."""
         e = self.engine
-        if not seqs or e.scheduler.waiting or e.drafter is not None or e.processors:
-            return False
-        if len(seqs) > e.scheduler.max_num_active_seqs:
-            return False
-        return all(seq.pending == 1 and not seq.drafts and not seq.wants_prompt_logprobs and not seq.params.shapes_logits
-                   for seq in seqs)
+        # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
+        spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+        rows, seqs, end = [], [], 0
+        for seq, start, n in spans:
+            end += n
+            if start + n == len(seq):  # (its pending tokens all in: the last row's logits draw the next)
+                rows.append(end - 1)
+                seqs.append(seq)
+        logprobs, _ = e.forward(spans, rows, self._inputs(spans, before))
+        flight = Flight(spans, seqs)
+        if seqs:
+            flight.tokens, flight.faults = draw(seqs, logprobs)
+            packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
+            if packed.device.type != "cuda":
+                flight.host = packed
+            else:
+                flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                flight.host.copy_(packed, non_blocking=True)
+                flight.copied = torch.cuda.Event()
+                flight.copied.record()
+        for seq, start, n in spans:
+            seq.computed = start + n
+        for seq in seqs:
+            flight.marks.append(len(seq.output))
+            seq.output.append(PLACEHOLDER)
+        return flight
 
-    def _continuing(self, flight: Flight) -> list[int]:
-        """Which of `flight`'s sequences the step after it carries, if it may be launched
-        now (else none): its draws are on the device, the same batch runs on (none
-        finished or aborted), and there are blocks for the next position. Those whose
-        token in `flight` is their last by length are left out."""
-        e = self.engine
-        if flight.tokens is None or len(e.scheduler.running) != len(flight.seqs) or any(s.finished for s in flight.seqs):
-            return []
-        if not self._steady(e.scheduler.running):
-            return []
-        keep = [i for i, seq in enumerate(flight.seqs) if len(seq.output) + 1 < seq.params.max_tokens]
-        blocks = sum(e.blocks.blocks_needed(flight.seqs[i], flight.starts[i] + 2) for i in keep)
-        return keep if blocks <= e.blocks.num_blocks - e.blocks.used else []  # (free, or cached and evictable)
-
-    def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None = None) -> Flight:
-        """Compute one token of each of `seqs` from `starts` (inputs: `tokens` on the device,
-        else the host's) and draw the next on the device; its copy to the host queued."""
-        e = self.engine
-        logprobs, _ = e.forward([(seq, start, 1) for seq, start in zip(seqs, starts)], list(range(len(seqs))), tokens)
-        try:
-            with stage("sampling"):
-                # (the token drawn here follows the one at `start`: its output index is one on)
-                generators = [s.generator_at(start + 1 - len(s.prompt)) for s, start in zip(seqs, starts)]
-                drawn = sample_batch(logprobs, [s.params for s in seqs], generators,
-                                     [s.output for s in seqs])
-                packed, n_top = pack(seqs, logprobs, drawn)
-        except SequenceFault:  # whose? landing tells, row by row
-            return Flight(seqs, starts, None, logprobs=logprobs)
-        if packed.device.type != "cuda":
-            return Flight(seqs, starts, drawn, packed, n_top)
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return Flight(seqs, starts, drawn, host, n_top, copied)
+    def _inputs(self, spans: list[tuple[Sequence, int, int]], before: Flight | None) -> torch.Tensor | None:
+        """The step's input tokens on the device where some of them are `before`'s draws,
+        not landed (None: every input is on the host, the forward takes them from there)."""
+        if before is None or before.tokens is None:
+            return None
+        drawn = {(id(seq), len(seq.prompt) + mark): row for row, (seq, mark) in enumerate(zip(before.seqs, before.marks))}
+        tokens, into, rows, at = [], [], [], 0
+        for seq, start, n in spans:
+            tokens += seq.tokens(start, start + n)
+            for pos in range(max(start, len(seq.prompt)), start + n):  # (only output tokens may be drawn)
+                row = drawn.get((id(seq), pos))
+                if row is not None:
+                    into.append(at + pos - start)
+                    rows.append(row)
+            at += n
+        if not rows:
+            return None
+        if tokens.count(PLACEHOLDER) != len(rows):  # (a draw neither landed nor in flight: a bookkeeping fault)
+            raise RuntimeError("a step's inputs hold a placeholder that no draw in flight fills")
+        dev = self.engine.device
+        if len(rows) == len(tokens):  # (decode rows alone: the draws are the inputs, as they lie or picked)
+            return before.tokens if rows == list(range(len(before.tokens))) else before.tokens[on_device(rows, dev)]
+        fed = on_device([max(t, 0) for t in tokens], dev)
+        return fed.index_copy_(0, on_device(into, dev), before.tokens.index_select(0, on_device(rows, dev)))
 
     def _land(self, flight: Flight) -> list[Output]:
-        """Take `flight`'s draws on the host; advance the sequences still running (the
-        others, finished while it ran, were computed for nothing)."""
+        """Take `flight`'s draws on the host, in place of its placeholders; key the blocks it
+        filled. Sequences ended meanwhile (a stop in the step before, an abort) drew for nothing."""
         e = self.engine
-        live = [(i, seq) for i, seq in enumerate(flight.seqs) if not seq.finished]
-        for _, seq in live:
-            seq.computed += 1
-            e.blocks.cache_full_blocks(seq)
-        if flight.logprobs is not None:
-            drawn = e.sample([(seq, i) for i, seq in live], flight.logprobs)
-        else:
-            if flight.copied is not None:
-                waited = time.perf_counter()
-                flight.copied.synchronize()
-                e.clock.gpu_wait += time.perf_counter() - waited
-            rows = flight.host.tolist()
-            drawn = unpack([seq for _, seq in live], [rows[i] for i, _ in live], flight.n_top)
-        return e.advance([seq for _, seq in live], drawn)
+        for seq, start, n in flight.spans:
+            if not seq.finished and seq.blocks and start + n <= seq.computed:  # (else: preempted since)
+                e.blocks.cache_full_blocks(seq, upto=start + n)
+        if not flight.seqs:
+            return []
+        if flight.copied is not None:
+            waited = time.perf_counter()
+            flight.copied.synchronize()
+            e.clock.gpu_wait += time.perf_counter() - waited
+        drawn = unpack(flight.seqs, flight.host.tolist(), flight.n_top)
+        outputs = []
+        for seq, mark, (token, logprob, top) in zip(flight.seqs, flight.marks, drawn):
+            if seq.finished:
+                continue
+            try:
+                if seq in flight.faults:
+                    raise flight.faults[seq]
+                outputs.append(e.took(seq, mark, token, logprob, top))
+            except SequenceFault as fault:
+                outputs.append(e._failed(seq, fault))
+        return outputs
+
+
+def draw(seqs: list[Sequence], logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[Sequence, SequenceFault]]:
+    """A token for each of `seqs` from its row of `logprobs`, on the device, for the whole
+    batch at once; if that fails, row by row, so that a failure is the one sequence's whose
+    row it is (its token then 0, fed to a step launched meanwhile for nothing)."""
+    generators = [s.generator_at(len(s.output)) for s in seqs]  # (the index of the token drawn)
+    try:
+        with stage("sampling"):
+            return sample_batch(logprobs, [s.params for s in seqs], generators, [s.output for s in seqs]), {}
+    except SequenceFault:
+        pass
+    tokens, faults = [], {}
+    for i, seq in enumerate(seqs):
+        try:
+            with stage("sampling"):
+                tokens.append(sample_batch(logprobs[i : i + 1], [seq.params], [generators[i]], [seq.output]))
+        except SequenceFault as fault:
+            faults[seq] = fault
+            tokens.append(torch.zeros(1, dtype=torch.long, device=logprobs.device))
+    return torch.cat(tokens), faults
+
+
+def drawn_last(flight: Flight) -> set[Sequence]:
+    """`flight`'s sequences whose booked token is their last by length: none computes again."""
+    return {seq for seq, mark in zip(flight.seqs, flight.marks) if mark + 1 >= seq.params.max_tokens}

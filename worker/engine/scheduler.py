@@ -76,7 +76,9 @@ class Scheduler:
         waiting_prefills = sum(1 for seq in self.waiting if seq.pending > 1)
         return max(self.long_prefill_token_threshold // max(waiting_prefills, 1), self.blocks.block_size)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
+    def schedule(self, skip: set[Sequence] | frozenset = frozenset()) -> list[tuple[Sequence, int]]:
+        """The next step's batch; `skip`: running sequences with nothing to compute (a step
+        launched ahead draws their last token: pipeline.py)."""
         budget, batch, long_cap = self.max_num_batched_tokens, [], self._long_cap()
         active, turns = self.max_num_active_seqs, self.max_num_active_seqs
         if len(self.running) >= active:  # turns: who went last goes to the back; half the turns, at most,
@@ -85,8 +87,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or len(batch) == turns:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or seq in skip:
+                continue  # preempted earlier in this loop, or done
             n = self._chunk(seq, budget, long_cap)
             if seq.drafts and not self.blocks.can_grow(seq, seq.computed + n):
                 seq.keep_drafts(0)  # no room to verify them: decode one token rather than preempt anyone

@@ -1,7 +1,8 @@
-"""Decode steps launched one ahead (--async-scheduling, pipeline.py) change when the host
-learns a step's tokens, never what they are: every request gets exactly what it gets
-with steps run one at a time, whatever ends it (length, a stop token while the next
-step is in flight, an abort), and nothing it held is left behind.
+"""Steps launched one ahead (--async-scheduling, pipeline.py) change when the host learns
+a step's tokens, never what they are: every request gets exactly what it gets with steps
+run one at a time, whatever ends it (length, a stop token while the next step is in flight,
+an abort), prompts chunked beside decode rows, preempted or found in the prefix cache, and
+nothing it held is left behind.
 
 On a GPU the engine makes its pipeline itself; here, on the CPU where it would not,
 the tests give the engine one, so that its bookkeeping runs as it does there."""
@@ -9,13 +10,16 @@ the tests give the engine one, so that its bookkeeping runs as it does there."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_steps import run_to_end
 
 from preload import BUNDLED_MODEL, LLM
+from preload.options import EngineOptions
 from preload.worker.engine.output import Output
-from preload.worker.engine.pipeline import DecodePipeline
+from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
+from preload.worker.model.kv_cache import bytes_per_token
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
@@ -35,7 +39,7 @@ def engine(llm):
 
 def run(engine, seqs: list[Sequence], pipelined: bool, each_step=None) -> dict[int, Output]:
     """Drive `engine` until `seqs` are done (with a pipeline or without); each one's merged Output."""
-    engine.pipeline = DecodePipeline(engine) if pipelined else None
+    engine.pipeline = StepPipeline(engine) if pipelined else None
     return run_to_end(engine, seqs, each_step)
 
 
@@ -70,8 +74,8 @@ def test_greedy_outputs_are_the_same_and_steps_are_launched_ahead(engine, monkey
 
 def test_requests_ending_by_length_leave_the_others_launched_ahead(engine, monkeypatch):
     """The three requests end at 6, 9 and 12 tokens: the steps after each end are still
-    launched ahead, carrying the others (their draws picked on the device), so only the
-    first decode step comes from the host's tokens."""
+    launched ahead, carrying the others (their draws picked on the device); from the first
+    decode step on, every step is (the prompt step's draws fed to it on the device)."""
     from_host, forward = [], engine.forward
     monkeypatch.setattr(engine, "forward", lambda spans, rows, tokens=None: (
         from_host.append(len(spans)) if tokens is None and all(n == 1 for _, _, n in spans) else None,
@@ -81,11 +85,11 @@ def test_requests_ending_by_length_leave_the_others_launched_ahead(engine, monke
     from_host.clear(), launched.clear()
     steps = dict(engine.clock.steps)
     run(engine, requests(), pipelined=True)
-    assert from_host == [3]  # (the first decode step)
-    assert launched == [3] * 4 + [2] * 3 + [1] * 3  # (their 2nd to 6th, 7th to 9th, 10th to 12th tokens)
-    # the engine's step clock (/metrics) saw the same: one prompt step, one decode step from
-    # the host, then a step landed each time one launched ahead did
-    assert {k: engine.clock.steps[k] - steps[k] for k in steps} == {"prompt": 1, "decode": 1, "decode_ahead": 10}
+    assert from_host == []
+    assert launched == [3] * 5 + [2] * 3 + [1] * 3  # (their 2nd to 6th, 7th to 9th, 10th to 12th tokens)
+    # the engine's step clock (/metrics) saw the same: one prompt step, then a step landed
+    # each time one launched ahead did
+    assert {k: engine.clock.steps[k] - steps[k] for k in steps} == {"prompt": 1, "decode": 0, "decode_ahead": 11}
 
 
 def test_seeded_sampling_and_logprobs_are_the_same(engine):
@@ -146,10 +150,64 @@ def test_an_arrival_is_admitted_at_the_next_step(engine):
             engine.check(late)
             engine.add(late)
             outputs[late.id] = []
-        if late.output and not first_token:
+        if outputs.get(late.id) and not first_token:
             first_token.append(len(steps))
 
     outputs = run(engine, [first], pipelined=True, each_step=arrive)
-    assert first_token == [5]  # step 4 lands the step in flight, step 5 admits it (and prefills it)
+    assert first_token == [5]  # step 4 schedules it (its prompt launched ahead), step 5 lands its first token
     assert outputs[first.id].token_ids == before.token_ids
     assert late.finished and late.output == alone.token_ids
+
+
+LONG = [list(range(5, 25)), [9, 10, 11], list(range(30, 43))]  # 20, 3 and 13 prompt tokens
+
+
+def long_requests(**params) -> list[Sequence]:
+    return [Sequence(p, SamplingParams(**({"max_tokens": 6 + 3 * i, "ignore_eos": True} | params)))
+            for i, p in enumerate(LONG)]
+
+
+def engine_with(**options):
+    """A bundled-model engine of its own, with these EngineOptions."""
+    return LLM(BUNDLED_MODEL, dtype="float32", engine=EngineOptions(**options)).engine
+
+
+def test_prompts_chunked_beside_decode_rows_are_launched_ahead(monkeypatch):
+    """8 tokens a step: the prompts go in chunks, beside the rows of those decoding already,
+    whose inputs are the step in flight's draws, on the device."""
+    engine = engine_with(max_num_batched_tokens=8)
+    mixed, forward = [], engine.forward
+    monkeypatch.setattr(engine, "forward", lambda spans, rows, tokens=None: (
+        mixed.append(sorted(n for _, _, n in spans)) if tokens is not None and any(n > 1 for _, _, n in spans) else None,
+        forward(spans, rows, tokens))[1])
+    same(engine, long_requests)
+    same(engine, lambda: long_requests(temperature=0.9, top_p=0.9, seed=3, logprobs=2))
+    assert mixed and all(1 in ns for ns in mixed), mixed  # (chunks with decode rows fed from the device)
+
+
+def test_preemption_while_a_step_is_in_flight_keeps_outputs():
+    """12 blocks of 4 tokens hold one or two of the three at a time: the newest is
+    preempted while the step that booked its last token is in flight, and recomputed."""
+    cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
+    per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
+    engine = engine_with(kv_cache_memory=12 * 4 * per_token, block_size=4, max_num_batched_tokens=16)
+    alone = run(engine, long_requests(), pipelined=False)
+    before = engine.scheduler.preemptions
+    ahead = run(engine, long_requests(), pipelined=True)
+    assert engine.scheduler.preemptions > before
+    for a, b in zip(alone.values(), ahead.values()):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    assert not engine.has_work() and engine.blocks.used == 0
+
+
+def test_blocks_are_keyed_by_the_tokens_landed():
+    """A prompt that is an earlier request's prompt and output finds every full block of
+    it cached: the blocks holding output tokens were keyed by the tokens drawn, never by
+    the placeholders booked while they were in flight."""
+    for pipelined in (False, True):
+        engine = engine_with(block_size=4)
+        first = Sequence(list(range(5, 25)), SamplingParams(max_tokens=12, ignore_eos=True))
+        [out] = run(engine, [first], pipelined).values()
+        again = Sequence(first.prompt + out.token_ids, SamplingParams(max_tokens=4, ignore_eos=True))
+        [second] = run(engine, [again], pipelined).values()
+        assert second.cached_tokens == 28, (pipelined, second.cached_tokens)  # (20 + 11 computed: 7 full blocks)
