@@ -138,9 +138,8 @@ class StepPipeline:
         if before is None or before.tokens is None:
             return None
         drawn = {(id(seq), len(seq.prompt) + mark): row for row, (seq, mark) in enumerate(zip(before.seqs, before.marks))}
-        tokens, into, rows, at = [], [], [], 0
+        into, rows, at = [], [], 0
         for seq, start, n in spans:
-            tokens += seq.tokens(start, start + n)
             for pos in range(max(start, len(seq.prompt)), start + n):  # (only output tokens may be drawn)
                 row = drawn.get((id(seq), pos))
                 if row is not None:
@@ -149,11 +148,12 @@ class StepPipeline:
             at += n
         if not rows:
             return None
+        dev = self.engine.device
+        if len(rows) == at:  # (decode rows alone: the draws are the inputs, as they lie or picked)
+            return before.tokens if rows == list(range(len(before.tokens))) else before.tokens[on_device(rows, dev)]
+        tokens = [t for seq, start, n in spans for t in seq.tokens(start, start + n)]
         if tokens.count(PLACEHOLDER) != len(rows):  # (a draw neither landed nor in flight: a bookkeeping fault)
             raise RuntimeError("a step's inputs hold a placeholder that no draw in flight fills")
-        dev = self.engine.device
-        if len(rows) == len(tokens):  # (decode rows alone: the draws are the inputs, as they lie or picked)
-            return before.tokens if rows == list(range(len(before.tokens))) else before.tokens[on_device(rows, dev)]
         fed = on_device([max(t, 0) for t in tokens], dev)
         return fed.index_copy_(0, on_device(into, dev), before.tokens.index_select(0, on_device(rows, dev)))
 
