@@ -211,3 +211,25 @@ def test_blocks_are_keyed_by_the_tokens_landed():
         again = Sequence(first.prompt + out.token_ids, SamplingParams(max_tokens=4, ignore_eos=True))
         [second] = run(engine, [again], pipelined).values()
         assert second.cached_tokens == 28, (pipelined, second.cached_tokens)  # (20 + 11 computed: 7 full blocks)
+
+
+def test_a_draw_that_fails_in_a_step_launched_ahead_ends_that_request_alone(engine, monkeypatch):
+    """The victim's draw fails in every batch it is in, and alone: it ends with the stage
+    named at the landing of that step; the step launched meanwhile computed its row for
+    nothing; the request beside it gets what it gets alone."""
+    from preload.worker.engine import pipeline as pipeline_module
+
+    [alone] = run(engine, [requests()[2]], pipelined=False).values()
+    victim, bystander = requests()[0], requests()[2]
+    real = pipeline_module.sample_batch
+
+    def sample_batch(logits, params, generators, generated):
+        if any(p is victim.params for p in params):
+            raise RuntimeError("boom")
+        return real(logits, params, generators, generated)
+
+    monkeypatch.setattr(pipeline_module, "sample_batch", sample_batch)
+    out = run(engine, [victim, bystander], pipelined=True)
+    assert out[victim.id].error == "sampling failed for this request: RuntimeError: boom"
+    assert out[victim.id].token_ids == [] and victim.finished
+    assert out[bystander.id].token_ids == alone.token_ids and out[bystander.id].error is None
