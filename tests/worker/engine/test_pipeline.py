@@ -263,3 +263,34 @@ def test_a_mixed_workload_gives_what_steps_one_at_a_time_give():
     for a, b in zip(alone, ahead):  # (batches made otherwise around a stop: float32 sums in another order)
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-5)
     assert any(o.finish_reason == "stop" for o in alone) and any(o.finish_reason == "length" for o in alone)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_time_give(seed):
+    """Twelve requests whose prompts share prefixes of one another (the prefix cache finds
+    them) through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5 places, greedy
+    and seeded, some stopping on many tokens: the same tokens, and every block given back."""
+    cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
+    per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
+    engine = engine_with(kv_cache_memory=20 * 4 * per_token, block_size=4, max_num_batched_tokens=12, max_num_seqs=5)
+    base = [random.Random(seed).randrange(5, 200) for _ in range(24)]
+
+    def make() -> list[Sequence]:
+        gen = random.Random(seed)
+        seqs = []
+        for i in range(12):
+            prompt = base[: gen.randrange(0, 24)] + [gen.randrange(5, 200) for _ in range(gen.randrange(1, 16))]
+            params = {"max_tokens": gen.randrange(1, 12), "ignore_eos": True}
+            if i % 4 == 1:
+                params |= {"temperature": 0.8, "seed": i}
+            if i % 3 == 0:
+                params |= {"stop_token_ids": list(range(3, 1000, 7))}
+            seqs.append(Sequence(prompt, SamplingParams(**params)))
+        return seqs
+
+    alone = run(engine, make(), pipelined=False)
+    ahead = run(engine, make(), pipelined=True)
+    for a, b in zip(alone.values(), ahead.values()):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    assert not engine.has_work() and engine.blocks.used == 0
+    assert engine.scheduler.preemptions > 0 and any(o.cached_tokens for o in ahead.values())
