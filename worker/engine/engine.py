@@ -284,7 +284,7 @@ class Engine:
                 if seq.pending == 0:
                     advancing.append((seq, first + (n - 1 if scoring else 0)))
             except SequenceFault as fault:
-                outputs.append(self._failed(seq, fault))
+                outputs.append(self.failed(seq, fault))
         outputs += self.advance([seq for seq, _ in advancing], self.sample(advancing, logprobs))
         # The step's drafts are judged at once, on the device, one copy to the host
         # (speculative.judge); rows the processors change, one sequence at a time as they leave them.
@@ -347,10 +347,10 @@ class Engine:
                 if seq.finished:
                     break
         except SequenceFault as fault:
-            outs.append(self._failed(seq, fault))
+            outs.append(self.failed(seq, fault))
         return Output.merge(outs)
 
-    def _failed(self, seq: Sequence, fault: SequenceFault) -> Output:
+    def failed(self, seq: Sequence, fault: SequenceFault) -> Output:
         """`seq` ends with its fault (faults.py); the others go on."""
         self.scheduler.finish(seq, "error")
         return Output(seq.id, error=str(fault), refused=fault.refused)
@@ -364,7 +364,7 @@ class Engine:
                     raise d
                 outputs.append(self._advance(seq, *d))
             except SequenceFault as fault:
-                outputs.append(self._failed(seq, fault))
+                outputs.append(self.failed(seq, fault))
         return outputs
 
     def sample(self, advancing: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> list:

@@ -180,7 +180,7 @@ class StepPipeline:
                     raise flight.faults[seq]
                 outputs.append(e.took(seq, mark, token, logprob, top))
             except SequenceFault as fault:
-                outputs.append(e._failed(seq, fault))
+                outputs.append(e.failed(seq, fault))
         return outputs
 
 
