@@ -62,3 +62,21 @@ def test_a_draft_models_steps_and_the_verify_steps_never_wait_for_the_gpu():
     got = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert len(steps) >= 4 and len(drafts) >= 4
+
+
+def test_a_step_launched_ahead_never_waits_for_the_gpu():
+    """The whole launch of a step ahead of the last one's landing (pipeline.py): its inputs
+    (the host's prompt chunks, the last step's draws copied in on the device), the forward,
+    the draws and their copy queued; prompt chunks beside decode rows among them. The step's
+    one wait is its landing's, for the copy."""
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=EngineOptions(kv_cache_memory=64 << 20, max_num_batched_tokens=64))
+    want = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    pipeline, mixed = llm.engine.pipeline, []
+    launch = pipeline._launch
+    pipeline._launch = lambda batch, before: (
+        mixed.append(before is not None and any(n > 1 for _, n in batch) and any(n == 1 for _, n in batch)),
+        launch(batch, before))[1]
+    calls = watched(pipeline, "_launch")
+    got = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(calls) >= 8 and any(mixed)
