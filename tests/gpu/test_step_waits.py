@@ -10,6 +10,7 @@ Run on the GPU machine with `python3 -m pytest -m gpu -q`; skipped where CUDA is
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,11 @@ def watched(owner, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("options", [EngineOptions(kv_cache_memory=64 << 20),
-                                     EngineOptions(kv_cache_memory=64 << 20, max_num_batched_tokens=64)],
+# (no prefix caching: the second run computes its prompts again, as the first did)
+UNCACHED = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("options", [UNCACHED, replace(UNCACHED, max_num_batched_tokens=64)],
                          ids=["prompts-whole", "chunked-beside-decode-rows"])
 def test_a_steps_forward_never_waits_for_the_gpu(options):
     llm = LLM(BUNDLED_MODEL, device="cuda", engine=options)
@@ -69,7 +73,7 @@ def test_a_step_launched_ahead_never_waits_for_the_gpu():
     (the host's prompt chunks, the last step's draws copied in on the device), the forward,
     the draws and their copy queued; prompt chunks beside decode rows among them. The step's
     one wait is its landing's, for the copy."""
-    llm = LLM(BUNDLED_MODEL, device="cuda", engine=EngineOptions(kv_cache_memory=64 << 20, max_num_batched_tokens=64))
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=replace(UNCACHED, max_num_batched_tokens=64))
     want = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
     pipeline, mixed = llm.engine.pipeline, []
     launch = pipeline._launch
