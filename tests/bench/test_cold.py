@@ -2,7 +2,7 @@
 of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
 loading, loaded (so that the load's end and the zygote's ready compare), the zygote's
 imports done, worker started, weights attached, first step, KV cache, ready, its front
-ready), from a real `preload start --workers 1`, in time order, kept in the JSON and printed
+ready; on a GPU host whose cache held only the list, the zygote's kernels compiled ahead), from a real `preload start --workers 1`, in time order, kept in the JSON and printed
 under the table; then its first request's: when the bench sent it, the core's first steps,
 when it was answered. A first start (which fills the kernel cache the warm starts after it
 use) is stopped only once its worker has nothing left to capture or compile while idle."""
