@@ -85,7 +85,8 @@ def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list
             stops = torch.tensor(sorted(stop_ids | set(p.stop_token_ids)), dtype=torch.long)
             # A grammar that allows only stopping wins over min_tokens: the output must parse.
             if grammar is None or grammar.clone().index_fill_(0, stops, False).any():
-                row[to_device(stops, dev)] = float("-inf")  # (no wait: a step launched ahead draws here)
+                # (no wait: a step launched ahead draws here; an item assigned would copy a host scalar)
+                row.index_fill_(0, to_device(stops, dev), float("-inf"))
         if grammar is not None:
             row.masked_fill_(~grammar.to(dev), float("-inf"))
     return logits
