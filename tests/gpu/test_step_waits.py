@@ -84,3 +84,19 @@ def test_a_step_launched_ahead_never_waits_for_the_gpu():
     got = llm.generate(PROMPTS, max_tokens=8, ignore_eos=True)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert len(calls) >= 8 and any(mixed)
+
+
+def test_a_penalized_step_launched_ahead_never_waits_for_the_gpu():
+    """Penalties, repetition penalty, logit bias and min_tokens count the token still in
+    flight from the device (sampler.py): such requests are launched ahead too, with no wait,
+    and draw what steps one at a time draw."""
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=UNCACHED)
+    params = dict(max_tokens=8, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
+                  logit_bias=((7, 2.0),), min_tokens=3)
+    pipeline, llm.engine.pipeline = llm.engine.pipeline, None
+    want = llm.generate(PROMPTS, **params)
+    llm.engine.pipeline = pipeline
+    calls = watched(pipeline, "_launch")
+    got = llm.generate(PROMPTS, **params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(calls) >= 8

@@ -132,6 +132,22 @@ def test_steer_bans_the_stop_tokens_until_min_tokens():
     assert steer(logits, [p], [[1]], [[4, 4]], frozenset({0}))[0].tolist() == [0.0] * 5  # two out: allowed
 
 
+def test_a_placeholder_counts_as_the_token_pending_on_the_device():
+    """A step launched ahead draws before the last token reaches the host (pipeline.py):
+    its placeholder (-1) ends the output and its value is pending on the device; the
+    penalties, repetition's and min_tokens' count take it as if it were there."""
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0], [0.5, 1.0, 2.0, 2.1, 0.0]])
+    params = [SamplingParams(repetition_penalty=2.0, min_tokens=3, stop_token_ids=(4,)),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)]
+    known, placeheld, pending = [[1, 2], [3, 3]], [[1, -1], [3, -1]], torch.tensor([2, 3])
+    want = steer(logits, params, [[0], [0]], known, frozenset())
+    got = steer(logits, params, [[0], [0]], placeheld, frozenset(), pending=pending)
+    assert torch.equal(got, want) and got[0, 4] == float("-inf")  # (two out of three: a stop still barred)
+    rows, penalized = torch.tensor([[0.5, 1.0, 1.5, 3.2, 0.0]]).expand(2, -1), params[1:] * 2
+    assert sample_batch(rows.clone(), penalized, [None] * 2, [[3, 3], [3]]).tolist() == [2, 3]  # (3 seen twice, once)
+    assert sample_batch(rows.clone(), penalized, [None] * 2, [[3, -1], [3]], pending=torch.tensor([3, 0])).tolist() == [2, 3]
+
+
 @pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(repetition_penalty=2.5),
                                  dict(logit_bias=((1, 101.0),)), dict(max_tokens=2, min_tokens=3), dict(min_tokens=-1)])
 def test_steering_ranges_are_refused_naming_the_parameter(bad):

@@ -18,8 +18,8 @@ in the step launched after it, for nothing; that step's cache write lands in blo
 sequence has released, before (in the stream's order) anyone else can be given them. A
 sequence whose booked token is its last by length is left out of the next step's schedule.
 What it needs, else steps run one at a time as without it: sampling that does not read the
-host's copy of the output (penalties, logit steering, grammars and logits processors do),
-no drafting, no prompt being scored. On a CPU nothing runs asynchronously, so the engine
+host's copy of the output (grammars and logits processors do; penalties take the token in
+flight from the device: sampler.py), no drafting, no prompt being scored. On a CPU nothing runs asynchronously, so the engine
 does not use it (the tests give it one).
 """
 
@@ -35,7 +35,7 @@ from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.host_logprobs import pack, unpack
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.output import Output
-from preload.worker.engine.sampler import sample_batch
+from preload.worker.engine.sampler import sample_batch, steer
 from preload.worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:  # (the engine makes its pipeline)
@@ -66,8 +66,7 @@ def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
     from the device's log-probs alone, nothing read back mid-step."""
     if not batch or engine.drafter is not None or engine.processors:
         return False
-    return all(not seq.drafts and not seq.wants_prompt_logprobs and not seq.params.shapes_logits
-               and seq.matcher is None for seq, _ in batch)
+    return all(not seq.drafts and not seq.wants_prompt_logprobs and seq.matcher is None for seq, _ in batch)
 
 
 class StepPipeline:
@@ -116,7 +115,7 @@ class StepPipeline:
         logprobs, _ = e.forward(spans, rows, self._inputs(spans, before))
         flight = Flight(spans, seqs)
         if seqs:
-            flight.tokens, flight.faults = draw(seqs, logprobs)
+            flight.tokens, flight.faults = draw(seqs, logprobs, e.stop_ids, drawn_before(seqs, before))
             packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
             if packed.device.type != "cuda":
                 flight.host = packed
@@ -184,21 +183,40 @@ class StepPipeline:
         return outputs
 
 
-def draw(seqs: list[Sequence], logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[Sequence, SequenceFault]]:
-    """A token for each of `seqs` from its row of `logprobs`, on the device, for the whole
-    batch at once; if that fails, row by row, so that a failure is the one sequence's whose
-    row it is (its token then 0, fed to a step launched meanwhile for nothing)."""
+def drawn_before(seqs: list[Sequence], before: Flight | None) -> torch.Tensor | None:
+    """Each of `seqs`' token drawn in `before` and not landed (its output's placeholder), on
+    the device, for the penalties (sampler.steer); None where no draw reads its output."""
+    if before is None or before.tokens is None or not any(s.params.shapes_logits for s in seqs):
+        return None
+    rows = {id(seq): row for row, seq in enumerate(before.seqs)}
+    picked = [rows.get(id(seq), 0) for seq in seqs]  # (row 0 where none: its output ends with no placeholder)
+    return before.tokens[on_device(picked, before.tokens.device, torch.long)]
+
+
+def draw(seqs: list[Sequence], logprobs: torch.Tensor, stop_ids: frozenset[int],
+         pending: torch.Tensor | None) -> tuple[torch.Tensor, dict[Sequence, SequenceFault]]:
+    """A token for each of `seqs` from its row of `logprobs` as the requests steer it, on the
+    device, for the whole batch at once (`pending`: drawn_before); if that fails, row by
+    row, so that a failure is the one sequence's whose row it is (its token then 0, fed to a
+    step launched meanwhile for nothing)."""
     generators = [s.generator_at(len(s.output)) for s in seqs]  # (the index of the token drawn)
+
+    def drawn(rows: torch.Tensor, seqs: list[Sequence], generators: list, pending: torch.Tensor | None) -> torch.Tensor:
+        params, outputs = [s.params for s in seqs], [s.output for s in seqs]
+        steered = steer(rows, params, [s.prompt for s in seqs], outputs, stop_ids, pending=pending)
+        return sample_batch(steered, params, generators, outputs, pending)
+
     try:
         with stage("sampling"):
-            return sample_batch(logprobs, [s.params for s in seqs], generators, [s.output for s in seqs]), {}
+            return drawn(logprobs, seqs, generators, pending), {}
     except SequenceFault:
         pass
     tokens, faults = [], {}
     for i, seq in enumerate(seqs):
         try:
             with stage("sampling"):
-                tokens.append(sample_batch(logprobs[i : i + 1], [seq.params], [generators[i]], [seq.output]))
+                tokens.append(drawn(logprobs[i : i + 1], [seq], [generators[i]],
+                                    pending[i : i + 1] if pending is not None else None))
         except SequenceFault as fault:
             faults[seq] = fault
             tokens.append(torch.zeros(1, dtype=torch.long, device=logprobs.device))

@@ -12,6 +12,11 @@ device's.
 batch fails, so that the one request at fault fails alone; tests hold the batch to it.
 `steer` comes first for both: what a request asks of the logits beyond the penalties
 (logit_bias, repetition_penalty, min_tokens).
+
+A step launched ahead (pipeline.py) draws before the token drawn in the step before it has
+reached the host: that token is a placeholder (a negative id) at the end of the output
+the host passes, and its value is in `pending`, on the device, which the penalties count
+in its place; nothing waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from preload.worker.engine.grammar import allowed
-from preload.worker.model.host_values import on_device
+from preload.worker.model.host_values import on_device, to_device
 from preload.worker.engine.sampling_params import SamplingParams
 
 
@@ -41,24 +46,38 @@ def apply_penalties(logits: torch.Tensor, generated: list[int], presence: float,
     return logits - presence * (counts > 0).to(logits) - frequency * counts
 
 
+def landed(tokens: list[int]) -> list[int]:
+    """`tokens` without the placeholder of a draw not yet on the host (a step launched ahead)."""
+    return tokens[:-1] if tokens and tokens[-1] < 0 else tokens
+
+
+def in_flight(outputs: list[list[int]], pending: torch.Tensor | None) -> list[int]:
+    """The rows whose output ends with a placeholder, its value in `pending` (on the device)."""
+    return [] if pending is None else [i for i, out in enumerate(outputs) if out and out[-1] < 0]
+
+
 def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
-          stop_ids: frozenset[int], matchers: list | None = None) -> torch.Tensor:
+          stop_ids: frozenset[int], matchers: list | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
     """The logits [N, V] as the requests ask them changed before sampling (a copy, if any
     row asks): logit_bias added; repetition_penalty over the tokens of the prompt and the
     output, as vLLM applies it (a positive logit divided by it, a negative one multiplied);
     until min_tokens are out, the stop tokens (`stop_ids` and the request's) at -inf; with
-    a grammar (matchers[i], grammar.py), every token it does not allow next at -inf."""
+    a grammar (matchers[i], grammar.py), every token it does not allow next at -inf.
+    `pending`: each row's draw not yet in its output, where that ends with its placeholder."""
     rows = [i for i, p in enumerate(params) if p.steers]
     if not rows:
         return logits
     logits, dev = logits.clone(), logits.device
+    waiting = set(in_flight(outputs, pending))
     for i in rows:
         p, row = params[i], logits[i]
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)
             row[on_device(list(ids), dev)] += on_device(list(bias), dev, row.dtype)
         if p.repetition_penalty != 1.0:
-            seen = on_device(sorted(set(prompts[i]) | set(outputs[i])), dev, torch.long)
+            seen = on_device(sorted(set(prompts[i]) | set(landed(outputs[i]))), dev, torch.long)
+            if i in waiting:  # (twice, if it is among them: both places get the same value)
+                seen = torch.cat([seen, pending[i : i + 1]])
             x = row[seen]
             row[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
         grammar = allowed(matchers[i], row.shape[-1]) if matchers is not None and matchers[i] is not None else None
@@ -66,7 +85,8 @@ def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list
             stops = torch.tensor(sorted(stop_ids | set(p.stop_token_ids)), dtype=torch.long)
             # A grammar that allows only stopping wins over min_tokens: the output must parse.
             if grammar is None or grammar.clone().index_fill_(0, stops, False).any():
-                row[stops.to(dev)] = float("-inf")
+                # (no wait: a step launched ahead draws here; an item assigned would copy a host scalar)
+                row.index_fill_(0, to_device(stops, dev), float("-inf"))
         if grammar is not None:
             row.masked_fill_(~grammar.to(dev), float("-inf"))
     return logits
@@ -103,9 +123,10 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 generated: list[list[int]]) -> torch.Tensor:
+                 generated: list[list[int]], pending: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [N] (on logits' device) for float32 logits [N, V], one row per sequence:
-    its params, its generator (None: the device's), its tokens so far (for penalties)."""
+    its params, its generator (None: the device's), its tokens so far (for penalties; a
+    placeholder last: its value in `pending`, as `steer` takes it)."""
     n, vocab = logits.shape
     dev = logits.device
 
@@ -115,8 +136,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators:
     penalized = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if penalized:
         logits = logits.clone()
-        rows = on_device([i for i in penalized for _ in generated[i]], dev, torch.long)
-        tokens = on_device([t for i in penalized for t in generated[i]], dev, torch.long)
+        seen = {i: landed(generated[i]) for i in penalized}
+        rows = on_device([i for i in penalized for _ in seen[i]], dev, torch.long)
+        tokens = on_device([t for i in penalized for t in seen[i]], dev, torch.long)
+        waiting = [i for i in in_flight(generated, pending) if i in seen]
+        if waiting:
+            waiting = on_device(waiting, dev, torch.long)
+            rows, tokens = torch.cat([rows, waiting]), torch.cat([tokens, pending[waiting]])
         counts = torch.zeros(n, vocab, device=dev).index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
                                                               accumulate=True)
         presence = column([p.presence_penalty for p in params])

@@ -130,10 +130,26 @@ def test_an_abort_mid_run_frees_everything(engine):
     assert [len(out[s.id].token_ids) for s in (seqs[0], seqs[2])] == [6, 12]
 
 
-def test_requests_that_read_their_output_on_the_host_are_not_launched_ahead(engine, monkeypatch):
+@pytest.mark.parametrize("params", [{"presence_penalty": 1.5, "frequency_penalty": 2.0}, {"repetition_penalty": 2.0},
+                                    {"frequency_penalty": 2.0, "temperature": 0.8, "seed": 5},
+                                    {"min_tokens": 4, "logit_bias": ((7, 3.0),), "repetition_penalty": 1.5}],
+                         ids=["penalties", "repetition", "sampled", "steered"])
+def test_penalized_and_steered_requests_are_launched_ahead_and_draw_the_same(engine, monkeypatch, params):
+    """Penalties count the token drawn in the step in flight, a placeholder on the host,
+    from the device (sampler.py): the same tokens as one step at a time, each step after
+    the first launched ahead. (Strong penalties: each draw changes what the next is.)"""
     launched = count_launches_ahead(engine, monkeypatch)
-    same(engine, lambda: requests(presence_penalty=0.5))
-    same(engine, lambda: requests(repetition_penalty=1.3))
+    alone, _ = same(engine, lambda: requests(**params))
+    assert [len(o.token_ids) for o in alone] == [6, 9, 12]
+    assert len(launched) == 11
+
+
+def test_requests_with_a_grammar_are_not_launched_ahead(engine, monkeypatch):
+    """A grammar's matcher reads each token on the host before the next draw is masked."""
+    from preload.worker.engine.grammar import regex_grammar
+
+    launched = count_launches_ahead(engine, monkeypatch)
+    same(engine, lambda: requests(grammar=regex_grammar("[a-z ]+"), max_tokens=5))
     assert launched == []
 
 
@@ -225,10 +241,10 @@ def test_a_draw_that_fails_in_a_step_launched_ahead_ends_that_request_alone(engi
     victim, bystander = requests()[0], requests()[2]
     real = pipeline_module.sample_batch
 
-    def sample_batch(logits, params, generators, generated):
+    def sample_batch(logits, params, generators, generated, pending=None):
         if any(p is victim.params for p in params):
             raise RuntimeError("boom")
-        return real(logits, params, generators, generated)
+        return real(logits, params, generators, generated, pending)
 
     monkeypatch.setattr(pipeline_module, "sample_batch", sample_batch)
     out = run(engine, [victim, bystander], pipelined=True)
@@ -241,7 +257,7 @@ def test_a_mixed_workload_gives_what_steps_one_at_a_time_give():
     """Fourteen requests of 2 to 40 prompt tokens and 1 to 14 output tokens through 6 places
     and 16 tokens a step: prompts chunked beside decode rows, admissions as places free up,
     greedy and seeded draws, stops on many tokens (some while a step is in flight), and
-    requests with penalties (run one step at a time) among the others."""
+    requests with penalties (launched ahead too: sampler.py) among the others."""
     engine = engine_with(max_num_batched_tokens=16, max_num_seqs=6)
 
     def make() -> list[Sequence]:
