@@ -19,8 +19,8 @@ sequence has released, before (in the stream's order) anyone else can be given t
 sequence whose booked token is its last by length is left out of the next step's schedule.
 What it needs, else steps run one at a time as without it: sampling that does not read the
 host's copy of the output (grammars and logits processors do; penalties take the token in
-flight from the device: sampler.py), no drafting, no prompt being scored. On a CPU nothing runs asynchronously, so the engine
-does not use it (the tests give it one).
+flight from the device: sampler.py), no drafting, no prompt being scored. On a CPU nothing
+runs asynchronously, so the engine does not use it (the tests give it one).
 """
 
 from __future__ import annotations
