@@ -61,6 +61,12 @@ class Flight:
     faults: dict[Sequence, SequenceFault] = field(default_factory=dict)  # whose draw failed: they end at landing
 
 
+def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
+    """A step's (sequence, start, n) spans, sequences of one new token first: attention takes
+    them apart, as decode rows (AttentionMeta). Every step's, launched ahead or not."""
+    return sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+
+
 def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
     """Whether `batch` may be launched before the step in flight lands: every draw made
     from the device's log-probs alone, nothing read back mid-step."""
@@ -104,8 +110,7 @@ class StepPipeline:
         they are fed), draw a token for each sequence whose pending tokens are all in, queue
         the draws' copy to the host, and book the step."""
         e = self.engine
-        # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
-        spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+        spans = spans_of(batch)
         rows, seqs, end = [], [], 0
         for seq, start, n in spans:
             end += n
