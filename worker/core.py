@@ -39,6 +39,8 @@ import torch
 import zmq
 
 from preload.worker.core_channel import BEAT, decode, encode, output_to_wire, own, params_from_wire, stats_to_wire
+from preload.worker.engine.faults import ENGINE_FAULTS
+from preload.worker.engine.grammar import GrammarsUnavailable
 from preload.worker.engine.output import Output
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.sequence import Sequence
@@ -161,13 +163,23 @@ class Core:
             self.engine.check(seq)
             self.engine.add(seq)
         except RequestError as e:  # (the front checked this core's limits; a grammar refusing the output handed
-            # over, which its last core drew under that grammar: not the client's fault, a 500 with the reason)
-            refusal = Output(seq.id, error=f"refused by the engine: {e}")
-            self._send({"t": "out", "o": [output_to_wire(refusal)]})
+            # over, which its last core drew under that grammar: not the client's fault, a 500 with the reason;
+            # a grammar this model's tokenizer cannot serve: a 400)
+            self._refuse(seq, f"refused by the engine: {e}", isinstance(e, GrammarsUnavailable))
+            return
+        except ENGINE_FAULTS:
+            raise
+        except Exception as e:  # noqa: BLE001 - a well-formed request the engine could not take: answered, not dropped
+            log.exception("request %d not taken", seq.id)
+            self._refuse(seq, f"the engine could not take this request: {type(e).__name__}: {e}", False)
             return
         self.seqs[seq.id] = seq
         if self.first_request is None:
             self.first_request = time.monotonic()
+
+    def _refuse(self, seq: Sequence, error: str, refused: bool) -> None:
+        """Answer `seq`, not taken, with `error` (`refused`: the request's own fault, a 400)."""
+        self._send({"t": "out", "o": [output_to_wire(Output(seq.id, error=error, refused=refused))]})
 
     def _on_abort(self, msg: dict) -> None:
         """One request's abort ("id") or, as the front sends them, those of one turn of its

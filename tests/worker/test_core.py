@@ -10,10 +10,14 @@ import logging
 import threading
 import time
 
+import pytest
+import torch
+
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
 from preload.worker.core import FIRST_STEPS, Core, hello_of
-from preload.worker.core_channel import BEAT, params_to_wire
+from preload.worker.core_channel import BEAT, output_from_wire, params_to_wire
+from preload.worker.engine.grammar import GrammarsUnavailable
 from preload.worker.engine.sampling_params import SamplingParams
 
 
@@ -57,3 +61,35 @@ def test_a_core_logs_its_first_steps_and_how_long_after_the_first_request_each_b
     steps = [r.getMessage() for r in caplog.records if "after the first request came" in r.getMessage()]
     assert [m.split(" (")[0] for m in steps] == [f"step {i}" for i in range(1, FIRST_STEPS + 1)], steps
     assert steps[0].startswith("step 1 (prompt) in ") and steps[1].startswith("step 2 (decode")
+
+
+def test_a_request_the_engine_cannot_take_is_answered_not_dropped(tmp_path):
+    """A well-formed request that the engine fails to take (before: read as a malformed
+    message and dropped, its client waiting for good) is answered with the reason: a
+    RequestError as the request's refusal, anything else as a server error; the core goes
+    on. A fault of the process or the device still stops it."""
+    llm = LLM(BUNDLED_MODEL, dtype="float32", device="cpu", engine=EngineOptions(kv_cache_memory=8 << 20))
+    core = Core(llm, f"ipc://{tmp_path}/slot.sock", hello_of(llm, "tiny", "first"), drain_timeout=1.0)
+    sent: list[dict] = []
+    core._send = sent.append
+    params = params_to_wire(SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def add_failing(error: Exception):
+        def add(seq):
+            raise error
+        return add
+
+    try:
+        for i, error in enumerate([GrammarsUnavailable("llguidance cannot read its tokenizer"), ValueError("odd")]):
+            core.engine.add = add_failing(error)
+            core._on_add({"t": "add", "id": 70 + i, "prompt": [1, 2, 3], "params": params, "output": []})
+        core.engine.add = add_failing(torch.OutOfMemoryError("device memory"))
+        with pytest.raises(torch.OutOfMemoryError):
+            core._on_add({"t": "add", "id": 72, "prompt": [1, 2, 3], "params": params, "output": []})
+    finally:
+        core.sock.close()
+    answers = [output_from_wire(o) for msg in sent for o in msg["o"]]
+    assert [(a.seq_id, a.refused, a.finished) for a in answers] == [(70, True, True), (71, False, True)]
+    assert "llguidance cannot read its tokenizer" in answers[0].error
+    assert "ValueError: odd" in answers[1].error
+    assert not core.seqs

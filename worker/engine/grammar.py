@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.worker.engine.sampling_params import RequestError
 
 
 def json_schema_grammar(schema: dict) -> str:
@@ -161,6 +162,12 @@ def byte_tokenizer():
     return LLTokenizer(TokenizerWrapper(Bytes()))
 
 
+class GrammarsUnavailable(RequestError):
+    """llguidance cannot read this model's tokenizer (one without a decoder it knows, such as
+    `preload make-checkpoint`'s word-level one), so no grammar can be followed: a request
+    that asks for one hears why, as a 400 (vLLM's answer to what a deployment cannot do)."""
+
+
 class Grammars:
     """Matchers for one engine's sequences, over its tokenizer and the model's vocabulary
     (ids beyond the tokenizer's are never allowed)."""
@@ -168,12 +175,20 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, vocab: int, stop_ids: frozenset[int]):
         self.tokenizer, self.vocab, self.stop_ids = tokenizer, vocab, stop_ids
         self._ll = None
+        self._unreadable: str | None = None  # why llguidance cannot read the tokenizer, once it has tried
 
     def matcher(self, grammar: str):
+        """GrammarsUnavailable if no grammar can be followed with this tokenizer."""
         from llguidance import LLMatcher, LLTokenizer
 
-        if self._ll is None:  # once per engine: about a second for a 128k vocabulary
-            self._ll = LLTokenizer(self.tokenizer.hf.to_str(), n_vocab=self.vocab, eos_token=sorted(self.stop_ids))
+        if self._ll is None and self._unreadable is None:  # once per engine: about a second for a 128k vocabulary
+            try:
+                self._ll = LLTokenizer(self.tokenizer.hf.to_str(), n_vocab=self.vocab, eos_token=sorted(self.stop_ids))
+            except Exception as e:  # noqa: BLE001 - llguidance says why in its message
+                self._unreadable = ("structured output is not available for this model: llguidance cannot read"
+                                    f" its tokenizer ({e})")
+        if self._unreadable is not None:
+            raise GrammarsUnavailable(self._unreadable)
         return LLMatcher(self._ll, grammar, limits=limits())
 
 

@@ -99,3 +99,15 @@ def test_what_is_refused_is_what_fails_over_the_models_own_tokenizer():
     assert matcher.is_error() and g.first_step_error(raw) == matcher.get_error().splitlines()[0]
     matcher = grammars.matcher(json_schema_grammar(PERSON))
     assert allowed(matcher, config["vocab_size"]).any() and not matcher.is_error()
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_every_grammar_saying_why():
+    """`preload make-checkpoint`'s word-level tokenizer has no decoder llguidance knows: a
+    grammar request on such a model is refused naming llguidance's reason (a 400 from the
+    core: tests/worker/test_core.py), each time, not left without an answer."""
+    from preload.bench.checkpoint import word_level_tokenizer
+
+    grammars = Grammars(Tokenizer(*word_level_tokenizer(300, None, 2)), 300, frozenset({2}))
+    for _ in range(2):
+        with pytest.raises(g.GrammarsUnavailable, match="llguidance cannot read its tokenizer .*decoder"):
+            grammars.matcher(regex_grammar("[a-z]+"))
