@@ -100,3 +100,20 @@ def test_a_penalized_step_launched_ahead_never_waits_for_the_gpu():
     got = llm.generate(PROMPTS, **params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert len(calls) >= 8
+
+
+def test_a_late_draw_never_waits_for_the_gpu():
+    """Draws that read the host (a grammar's matcher) are made once the step before has
+    landed, while the GPU computes their step's forward (pipeline.py): the masks go to the
+    device queued, with no wait, and the tokens are those of steps one at a time."""
+    from preload.worker.engine.grammar import regex_grammar
+
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=UNCACHED)
+    params = dict(max_tokens=8, ignore_eos=True, grammar=regex_grammar("[a-z ]+"), temperature=0.7, seed=3)
+    pipeline, llm.engine.pipeline = llm.engine.pipeline, None
+    want = llm.generate(PROMPTS, **params)
+    llm.engine.pipeline = pipeline
+    draws = watched(pipeline, "_draw")
+    got = llm.generate(PROMPTS, **params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(draws) >= 7

@@ -144,13 +144,49 @@ def test_penalized_and_steered_requests_are_launched_ahead_and_draw_the_same(eng
     assert len(launched) == 11
 
 
-def test_requests_with_a_grammar_are_not_launched_ahead(engine, monkeypatch):
-    """A grammar's matcher reads each token on the host before the next draw is masked."""
+def test_requests_with_a_grammar_are_launched_ahead_and_draw_late(engine, monkeypatch):
+    """A grammar's matcher reads each token on the host before the next draw is masked: the
+    step's forward is launched ahead all the same, its draws made once the step before has
+    landed. Beside plain and penalized requests; one ends by its grammar (a stop while the
+    next step is in flight), the others by length."""
     from preload.worker.engine.grammar import regex_grammar
 
     launched = count_launches_ahead(engine, monkeypatch)
-    same(engine, lambda: requests(grammar=regex_grammar("[a-z ]+"), max_tokens=5))
-    assert launched == []
+
+    def make():
+        seqs = requests(temperature=0.8, seed=11)
+        seqs[0].params = SamplingParams(max_tokens=12, grammar=regex_grammar("(yes|no|maybe)"))
+        seqs[1].params = SamplingParams(max_tokens=9, ignore_eos=True, grammar=regex_grammar("[a-z ]+"))
+        seqs[2].params = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=1.5)
+        return seqs
+
+    alone, _ = same(engine, make)
+    assert alone[0].finish_reason == "stop" and alone[0].text in ("yes", "no", "maybe")
+    assert set(alone[1].text) <= set("abcdefghijklmnopqrstuvwxyz ") and len(alone[1].token_ids) == 9
+    assert len(launched) >= 10 and 3 in launched
+
+
+class NoRepeat:
+    """A logits processor that reads the outputs on the host: the token generated last is
+    banned next (so that a draw made without the step before it landed would differ)."""
+
+    def __init__(self, context):
+        pass
+
+    def __call__(self, logits, batch):
+        for row, out in enumerate(batch.outputs):
+            if out:
+                logits[row, out[-1]] = float("-inf")
+        return logits
+
+
+def test_logits_processors_draw_late_with_every_token_before_theirs():
+    engine = engine_with(kv_cache_memory=32 << 20, logits_processors=(f"{__name__}:NoRepeat",))
+    launched, forward = [], engine.forward
+    engine.forward = lambda spans, rows, tokens=None: (launched.append(tokens is not None), forward(spans, rows, tokens))[1]
+    alone, ahead = same(engine, lambda: requests(repetition_penalty=0.5))  # (below 1: repeats made likelier)
+    assert all(a != b for o in alone for a, b in zip(o.token_ids, o.token_ids[1:]))
+    assert launched.count(True) >= 10
 
 
 def test_an_arrival_is_admitted_at_the_next_step(engine):
