@@ -126,11 +126,26 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return out
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, t0: float,
+SET_BY_THE_BENCH = ("model", "prompt", "max_tokens", "ignore_eos", "stream", "stream_options", "n")
+
+
+def request_fields(model: str, extra: dict | None = None) -> dict:
+    """What every request of a run sends but its prompt and length: greedy, streamed, every
+    token asked for generated; `extra` (--extra-body) merged in, except the fields the
+    bench's counts rest on (ValueError naming them)."""
+    extra = extra or {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    if fixed := sorted(set(extra) & set(SET_BY_THE_BENCH)):
+        raise ValueError(f"--extra-body may not set {', '.join(fixed)}: the bench sets them to count what it times")
+    return {"model": model, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}} | extra
+
+
+async def one_request(client: httpx.AsyncClient, fields: dict, prompt: list[int], max_tokens: int, t0: float,
                       timeout: float) -> RequestRecord:
     rec = RequestRecord(len(prompt), max_tokens)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = fields | {"prompt": prompt, "max_tokens": max_tokens}
     start = time.perf_counter()
     rec.sent = start - t0
     last = None
@@ -179,7 +194,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
 
 async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
                    seed: int, vocab: int | None, warmup: int, timeout: float, rolling_restarts: int = 0,
-                   state_dir: str | None = None, progress=lambda msg: None) -> dict:
+                   state_dir: str | None = None, progress=lambda msg: None, extra_body: dict | None = None) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=60, limits=limits) as client:
         info = await server_info(client)
@@ -190,10 +205,11 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
         if vocab is None:
             vocab = await discover_vocab(client, info["model"])
             progress(f"vocabulary: {vocab} ids (found by bisection)")
+        fields = request_fields(info["model"], extra_body)
         work = make_requests(warmup + requests, prompt_len, output_len, vocab, seed)
         if warmup:
             progress(f"{warmup} warm-up request(s)")
-            warm = await asyncio.gather(*(one_request(client, info["model"], p, m, time.perf_counter(), timeout)
+            warm = await asyncio.gather(*(one_request(client, fields, p, m, time.perf_counter(), timeout)
                                           for p, m in work[:warmup]))
             bad = [w.error for w in warm if not w.ok]
             if bad:
@@ -201,17 +217,18 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
         graphs_wait = await wait_for_graphs(client, progress)
         progress(f"{requests} requests, {concurrency} concurrent")
         steps_before = await engine_steps(client)
-        records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout)
+        records, wall = await closed_loop(client, fields, work[warmup:], concurrency, timeout)
         await asyncio.sleep(STEPS_SETTLE)
         result = summarize(records, wall, info | {"url": url, "vocab": vocab}, {
             "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len),
-            "output_len": list(output_len), "seed": seed, "warmup": warmup, "graphs_wait_s": graphs_wait})
+            "output_len": list(output_len), "seed": seed, "warmup": warmup, "graphs_wait_s": graphs_wait,
+            "extra_body": extra_body or {}})
         result["engine_steps"] = steps_taken(steps_before, await engine_steps(client))
         if rolling_restarts:
             progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
             t0 = time.perf_counter()
             rounds = asyncio.create_task(asyncio.to_thread(restart_rounds, state_dir, rolling_restarts, t0))
-            records, wall = await closed_loop(client, info["model"], work[warmup:], concurrency, timeout, rounds)
+            records, wall = await closed_loop(client, fields, work[warmup:], concurrency, timeout, rounds)
             result["under_restarts"] = figures(records, wall) | {"restarts": await rounds}
     return result
 
@@ -278,7 +295,7 @@ def steps_taken(before: dict | None, after: dict | None) -> dict | None:
     return out
 
 
-async def closed_loop(client: httpx.AsyncClient, model: str, work: list, concurrency: int,
+async def closed_loop(client: httpx.AsyncClient, fields: dict, work: list, concurrency: int,
                       timeout: float, until: asyncio.Future | None = None) -> tuple[list[RequestRecord], float]:
     """`concurrency` clients, each sending its next request as soon as its previous one
     ended, until `work` is done (and, with `until`, over again until it is done too): the
@@ -292,7 +309,7 @@ async def closed_loop(client: httpx.AsyncClient, model: str, work: list, concurr
             if not queue:
                 queue.extend(reversed(work))
             prompt, max_tokens = queue.pop()
-            records.append(await one_request(client, model, prompt, max_tokens, t0, timeout))
+            records.append(await one_request(client, fields, prompt, max_tokens, t0, timeout))
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     return records, time.perf_counter() - t0

@@ -226,25 +226,36 @@ def _int_list(text: str, option: str, minimum: int = 1) -> list[int]:
               help="Then run the same requests again while `preload restart` replaces every worker this many times.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The state dir of the daemon whose workers serve --url (for --rolling-restarts).")
+@click.option("--extra-body", default=None, metavar="JSON",
+              help="A JSON object merged into every request's body, e.g. '{\"frequency_penalty\": 0.1}' to time"
+                   " penalized requests (not the fields the bench sets: model, prompt, max_tokens, ignore_eos, stream).")
 @json_option("serve")
 def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, warmup, timeout, rolling_restarts,
-          state_dir, json_path):
+          state_dir, extra_body, json_path):
     """Serving load: concurrent streamed completions against a running worker."""
     import asyncio
 
     import httpx
 
-    from preload.bench.serve import format_table, parse_range, run_load
+    import json
+
+    from preload.bench.serve import format_table, parse_range, request_fields, run_load
 
     try:
         p_len, o_len = parse_range(prompt_len), parse_range(output_len)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    try:
+        extra = json.loads(extra_body) if extra_body else None
+        request_fields("", extra)
+    except ValueError as e:  # (json.JSONDecodeError is one)
+        raise click.BadParameter(str(e), param_hint="--extra-body") from None
     if rolling_restarts and state_dir is None:
         raise click.UsageError("--rolling-restarts needs the daemon's --state-dir")
     try:
         result = asyncio.run(run_load(url, n_requests, concurrency, p_len, o_len, seed, vocab, warmup, timeout,
-                                      rolling_restarts, state_dir and str(state_dir), progress=_progress))
+                                      rolling_restarts, state_dir and str(state_dir), progress=_progress,
+                                      extra_body=extra))
     except (httpx.HTTPError, OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(f"{url}: {e}") from None
     _report(result, format_table, json_path)

@@ -14,11 +14,19 @@ from preload.bench.driver import free_port, preload
 
 def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
     port = free_port()
+    bench = ("bench", "serve", "--url", f"http://127.0.0.1:{port}", "--concurrency", 3, "--prompt-len", "8:16",
+             "--output-len", "4:8", "--vocab", 200)
     with running_daemon(tmp_path / "state", None, "--dtype", "float32", "--workers", 1, "--port", port):
-        r = preload("bench", "serve", "--url", f"http://127.0.0.1:{port}", "--requests", 6, "--concurrency", 3,
-                    "--prompt-len", "8:16", "--output-len", "4:8", "--vocab", 200, "--json", tmp_path / "serve.json",
-                    timeout=120)
+        r = preload(*bench, "--requests", 6, "--json", tmp_path / "serve.json", timeout=120)
+        # --extra-body goes into every request: penalized sampled requests; a value the server refuses
+        penalized = preload(*bench, "--requests", 3, "--extra-body", '{"frequency_penalty": 0.5, "temperature": 0.7}',
+                            "--json", tmp_path / "penalized.json", timeout=120)
+        refused = preload(*bench, "--requests", 1, "--extra-body", '{"frequency_penalty": 9}', timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert penalized.returncode == 0, penalized.stdout + penalized.stderr
+    done = json.loads((tmp_path / "penalized.json").read_text())
+    assert (done["completed"], done["config"]["extra_body"]) == (3, {"frequency_penalty": 0.5, "temperature": 0.7})
+    assert refused.returncode != 0 and "frequency_penalty" in refused.stdout + refused.stderr
     result = json.loads((tmp_path / "serve.json").read_text())
     assert (result["completed"], result["failed"]) == (6, 0)
     asked = sum(q["max_tokens"] for q in result["requests"])
@@ -65,3 +73,11 @@ def test_the_run_waits_for_the_workers_cuda_graphs_to_be_captured():
     assert asyncio.run(wait_for_graphs(metrics_server([None]), poll=10.0)) < 1.0
     with pytest.raises(RuntimeError, match="still had 5 CUDA graph bucket"):
         asyncio.run(wait_for_graphs(metrics_server([5.0]), timeout=0.05, poll=0.01))
+
+
+def test_extra_body_may_not_set_what_the_bench_counts_by():
+    """The bench sets the prompt, the length, ignore_eos and streaming: its counts rest on them."""
+    for body, named in (('{"max_tokens": 3}', "max_tokens"), ('{"stream": false, "n": 2}', "n, stream"),
+                        ("[1]", "JSON object"), ("{nope", "--extra-body")):
+        r = preload("bench", "serve", "--url", "http://127.0.0.1:9", "--extra-body", body, timeout=60)
+        assert r.returncode == 2 and named in r.stdout + r.stderr, (body, r.stdout + r.stderr)
