@@ -321,7 +321,8 @@ def test_a_mixed_workload_gives_what_steps_one_at_a_time_give():
 def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_time_give(seed):
     """Twelve requests whose prompts share prefixes of one another (the prefix cache finds
     them) through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5 places, greedy
-    and seeded, some stopping on many tokens: the same tokens, and every block given back."""
+    and seeded, some stopping on many tokens, some penalized (their token in flight counted
+    from the device): the same tokens, and every block given back."""
     cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
     per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
     engine = engine_with(kv_cache_memory=20 * 4 * per_token, block_size=4, max_num_batched_tokens=12, max_num_seqs=5)
@@ -337,6 +338,8 @@ def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_tim
                 params |= {"temperature": 0.8, "seed": i}
             if i % 3 == 0:
                 params |= {"stop_token_ids": list(range(3, 1000, 7))}
+            if i % 5 == 2:
+                params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
             seqs.append(Sequence(prompt, SamplingParams(**params)))
         return seqs
 
