@@ -18,6 +18,7 @@ from engine_steps import run_to_end
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
 from preload.worker.engine.output import Output
+from preload.worker.engine.grammar import regex_grammar
 from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
@@ -149,8 +150,6 @@ def test_requests_with_a_grammar_are_launched_ahead_and_draw_late(engine, monkey
     step's forward is launched ahead all the same, its draws made once the step before has
     landed. Beside plain and penalized requests; one ends by its grammar (a stop while the
     next step is in flight), the others by length."""
-    from preload.worker.engine.grammar import regex_grammar
-
     launched = count_launches_ahead(engine, monkeypatch)
 
     def make():
@@ -322,7 +321,8 @@ def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_tim
     """Twelve requests whose prompts share prefixes of one another (the prefix cache finds
     them) through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5 places, greedy
     and seeded, some stopping on many tokens, some penalized (their token in flight counted
-    from the device): the same tokens, and every block given back."""
+    from the device), some under a grammar (drawn late): the same tokens, and every block
+    given back."""
     cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
     per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
     engine = engine_with(kv_cache_memory=20 * 4 * per_token, block_size=4, max_num_batched_tokens=12, max_num_seqs=5)
@@ -340,6 +340,8 @@ def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_tim
                 params |= {"stop_token_ids": list(range(3, 1000, 7))}
             if i % 5 == 2:
                 params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
+            if i % 6 == 4:  # (drawn late)
+                params |= {"grammar": regex_grammar("[a-z ]+")}
             seqs.append(Sequence(prompt, SamplingParams(**params)))
         return seqs
 
