@@ -62,7 +62,7 @@ class Flight:
     n_top: int = 0
     copied: torch.cuda.Event | None = None  # None: on a CPU, where the copy is done when made
     faults: dict[Sequence, SequenceFault] = field(default_factory=dict)  # whose draw failed: they end at landing
-    logprobs: torch.Tensor | None = None  # the rows its draws read, kept until they are made late (draw_late)
+    logprobs: torch.Tensor | None = None  # the rows its draws read, kept until they are made late (_draw)
 
 
 def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
@@ -142,13 +142,23 @@ class StepPipeline:
         e, seqs, logprobs = self.engine, flight.seqs, flight.logprobs
         flight.logprobs = None
         live = [i for i, seq in enumerate(seqs) if not seq.finished] if late else list(range(len(seqs)))
-        outputs = [seqs[i].output[: flight.marks[i]] for i in live]  # (the tokens before the one drawn)
-        if len(live) == len(seqs):
-            flight.tokens, flight.faults = draw(e, seqs, logprobs, outputs, pending)
-        else:
-            at = on_device(live, logprobs.device, torch.long)
-            tokens, flight.faults = draw(e, [seqs[i] for i in live], logprobs[at], outputs, None)
-            flight.tokens = torch.zeros(len(seqs), dtype=torch.long, device=logprobs.device).index_copy_(0, at, tokens)
+        if late:  # (each live output ends with its own placeholder, at its mark: the draw reads what is before)
+            if any(len(seqs[i].output) != flight.marks[i] + 1 or seqs[i].output[-1] != PLACEHOLDER for i in live):
+                raise RuntimeError("a late draw's output does not end with its placeholder (a bookkeeping fault)")
+            for i in live:
+                seqs[i].output.pop()
+        try:
+            outputs = [seqs[i].output for i in live]
+            if len(live) == len(seqs):
+                flight.tokens, flight.faults = draw(e, seqs, logprobs, outputs, pending)
+            else:
+                at = on_device(live, logprobs.device, torch.long)
+                tokens, flight.faults = draw(e, [seqs[i] for i in live], logprobs[at], outputs, None)
+                flight.tokens = torch.zeros(len(seqs), dtype=torch.long, device=logprobs.device).index_copy_(0, at, tokens)
+        finally:
+            if late:
+                for i in live:
+                    seqs[i].output.append(PLACEHOLDER)
         packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
         if packed.device.type != "cuda":
             flight.host = packed
