@@ -76,7 +76,9 @@ def entry_digest(spec: str) -> str:
 
 
 class Recorder:
-    """Adds each kernel the JIT compiles in this process to the cache's list (install())."""
+    """Adds each kernel the JIT compiles in this process to the cache's list (install()),
+    and counts the kernels this process compiled and those it found in the cache (so that a
+    start's log says whether kernels compiled ahead were the ones its JIT looked for)."""
 
     def __init__(self, cache_dir: str | os.PathLike):
         self.path = list_path(cache_dir)
@@ -86,14 +88,18 @@ class Recorder:
             log.warning("%s; written anew", e)
             self.known = set()
         self.added = 0
+        self.compiled = self.found = 0
         self._target: dict | None = None
-        self._before = None
+        self._before = self._listener = None
 
     def install(self) -> Recorder:
         from triton import knobs
 
         self._before = knobs.runtime.jit_cache_hook
         knobs.runtime.jit_cache_hook = self.hook
+        if hasattr(knobs.compilation, "listener"):  # (a Triton without it: no counts)
+            self._listener = knobs.compilation.listener
+            knobs.compilation.listener = self.listen
         return self
 
     def uninstall(self) -> None:
@@ -101,6 +107,21 @@ class Recorder:
 
         if knobs.runtime.jit_cache_hook == self.hook:
             knobs.runtime.jit_cache_hook = self._before
+        if getattr(knobs.compilation, "listener", None) == self.listen:
+            knobs.compilation.listener = self._listener
+
+    def listen(self, *, cache_hit: bool, **kwargs) -> None:
+        """Triton's compilation listener: after each kernel compiled, or found in the cache."""
+        if cache_hit:
+            self.found += 1
+        else:
+            self.compiled += 1
+        if self._listener:
+            self._listener(cache_hit=cache_hit, **kwargs)
+
+    def said(self) -> str:
+        return (f"kernels this process: {self.compiled} compiled, {self.found} found in the cache, {self.added} new to"
+                " the list")
 
     def hook(self, *, compile: dict, **kwargs) -> bool:
         """Triton's jit_cache_hook: called before the JIT compiles (or finds on disk) a kernel
@@ -157,6 +178,11 @@ def write_list(path: Path, kernels: dict[str, str]) -> None:
 
 
 _recording: Recorder | None = None
+
+
+def recorded() -> str | None:
+    """What this process's recorder counted (Recorder.said); None where none records."""
+    return _recording.said() if _recording is not None else None
 
 
 def record(cache_dir: str | os.PathLike | None = None) -> Recorder | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from preload.checkpoint.tokenizer import Tokenizer
+from preload.kernels import ahead
 from preload.ipc.client import DaemonUnavailable
 from preload.ipc.kv_memory import KvMemory
 from preload.ipc.manifest import ArenaInfo
@@ -329,6 +330,8 @@ def open_weights(opts: ServeOptions, state: WorkerState, supervised: bool, lazy_
 def mark_ready(state: WorkerState) -> None:
     state.phase = "ready"
     log.info("ready in %.3f s", time.monotonic() - state.started)
+    if kernels := ahead.recorded():  # (a first start's, or a start on kernels compiled ahead: which it met)
+        log.info("%s", kernels)
 
 
 def serve_supervised(opts: ServeOptions, forked_for: int | None, sock: socket.socket, link_fd: int,

@@ -114,6 +114,30 @@ def test_a_worker_records_each_kernel_once_and_a_start_with_all_listed_writes_no
     assert again.added == 0 and ahead.list_path(tmp_path).stat().st_mtime_ns == before
 
 
+COUNT_COMPILES = f"""
+import os, sys
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from kernel_specs import CASES, H100, rms_norm_spec
+import triton
+from preload.kernels import ahead
+recorder = ahead.Recorder(os.environ["TRITON_CACHE_DIR"]).install()
+for add, block in CASES[:2] + CASES[:1]:  # (the first again: found in the cache)
+    _, src, options = rms_norm_spec(add, block)
+    triton.compile(src, target=H100, options=options.__dict__)
+print(recorder.said())
+"""
+
+
+def test_a_processs_kernels_are_counted_as_compiled_or_found_in_the_cache(cache):
+    """What a worker's log says at ready (worker/serve.py): whether the kernels its JIT met
+    were compiled then or found, e.g. compiled ahead from the list (kernels new to the list:
+    the JIT's hook, not called by a direct compile)."""
+    r = subprocess.run([sys.executable, "-c", COUNT_COMPILES], capture_output=True, text=True, timeout=120,
+                       env=os.environ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "kernels this process: 2 compiled, 1 found in the cache, 0 new to the list"
+
+
 def test_a_spec_without_a_target_is_recorded_with_this_gpus(tmp_path):
     spec = json.dumps(json.loads(rms_norm_spec(True, 512)[0]) | {"target": None})  # (Triton 3.6 leaves it out)
     recorder = ahead.Recorder(tmp_path)
