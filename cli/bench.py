@@ -234,10 +234,9 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
           state_dir, extra_body, json_path):
     """Serving load: concurrent streamed completions against a running worker."""
     import asyncio
+    import json
 
     import httpx
-
-    import json
 
     from preload.bench.serve import format_table, parse_range, request_fields, run_load
 
