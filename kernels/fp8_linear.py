@@ -226,6 +226,22 @@ def cublaslt_or_none(rows: torch.Tensor, w: Fp8Weight) -> torch.Tensor | None:
         return None
 
 
+def one_expert_block(t: int) -> int:
+    """The grouped GEMM's rows a block for `t` rows through it with one expert: each block
+    re-reads the matrix (from L2, mostly)."""
+    return 16 if t <= 64 else 32 if t <= 256 else 64
+
+
+def one_expert_layout(t: int, block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped GEMM's alignment (moe_align's form) for `t` rows and one expert, every row
+    its own pair, padded to whole blocks of `block_m` (index t: no pair)."""
+    capacity = triton.cdiv(t, block_m) * block_m
+    pairs = torch.arange(capacity, dtype=torch.int32, device=device).clamp_(max=t)
+    # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
+    return (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=device),
+            torch.full((1,), capacity, dtype=torch.int32, device=device))
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """x @ W^T for an e4m3 matrix with its scales: split-K for a few rows; for a
     prefill's rows cuBLASLt's block-scaled GEMM where it runs, else the grouped GEMM with
@@ -235,16 +251,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     t, n = rows.shape[0], w.q.shape[0]
     if t <= GEMV_ROWS:
         return split_k_gemv(rows, w).view(*shape, n)
-    block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # each block re-reads the matrix (from L2, mostly)
+    block_m = one_expert_block(t)
     if fp8_activations(block_m) and block_scaled_gemm(x.device) and takes_block_scales(w):
         out = cublaslt_or_none(rows, w)
         if out is not None:
             return out.view(*shape, n)
-    capacity = triton.cdiv(t, block_m) * block_m
-    pairs = torch.arange(capacity, dtype=torch.int32, device=x.device).clamp_(max=t)  # t: no pair
-    # (torch.full, not torch.tensor: no copy from the host, which would wait for the device)
-    aligned = (pairs, torch.zeros(capacity // block_m, dtype=torch.int32, device=x.device),
-               torch.full((1,), capacity, dtype=torch.int32, device=x.device))
+    aligned = one_expert_layout(t, block_m, x.device)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     one = Fp8Weight(w.q[None], w.scale_inv[None], w.block)
     if fp8_activations(block_m):  # a prefill's rows: e4m3 on the fp8 tensor cores

@@ -356,11 +356,8 @@ def dense_serving_sweep():
     results = []
     for t in (64, 100, 128, 256):
         x = torch.randn(t, D, device=dev, dtype=torch.bfloat16)
-        block_m = 16 if t <= 64 else 32 if t <= 256 else 64  # (fp8_linear's choice)
-        capacity = triton.cdiv(t, block_m) * block_m
-        aligned = (torch.arange(capacity, dtype=torch.int32, device=dev).clamp_(max=t),
-                   torch.zeros(capacity // block_m, dtype=torch.int32, device=dev),
-                   torch.full((1,), capacity, dtype=torch.int32, device=dev))
+        block_m = fl.one_expert_block(t)  # (fp8_linear's choice, and its layout)
+        aligned = fl.one_expert_layout(t, block_m, dev)
         for name, (n, k) in DENSE.items():
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
             a = x if k == D else torch.randn(t, k, device=dev, dtype=torch.bfloat16)

@@ -29,7 +29,7 @@ from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
-from preload.worker.engine.pipeline import StepPipeline
+from preload.worker.engine.pipeline import StepPipeline, spans_of
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
@@ -254,8 +254,7 @@ class Engine:
         if not batch:
             return []
         self.clock.kind = "decode" if all(n == 1 for _, n in batch) else "prompt"
-        # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
-        spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+        spans = spans_of(batch)
         # Logits only where needed: each sequence's last row when its pending tokens are
         # all in, and every row of a prompt that is being scored.
         row, rows, wanted = 0, [], []

@@ -65,6 +65,12 @@ class Flight:
     logprobs: torch.Tensor | None = None  # the rows its draws read, kept until they are made late (_draw)
 
 
+def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
+    """A step's (sequence, start, n) spans, sequences of one new token first: attention takes
+    them apart, as decode rows (AttentionMeta). Every step's, launched ahead or not."""
+    return sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+
+
 def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
     """Whether `batch` may be launched before the step in flight lands: nothing read back
     mid-step."""
@@ -116,8 +122,7 @@ class StepPipeline:
         they are fed), draw a token for each sequence whose pending tokens are all in, queue
         the draws' copy to the host, and book the step."""
         e = self.engine
-        # Sequences of one new token first: attention takes them apart, as decode rows (AttentionMeta).
-        spans = sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
+        spans = spans_of(batch)
         rows, seqs, end = [], [], 0
         for seq, start, n in spans:
             end += n

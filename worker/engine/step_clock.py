@@ -4,10 +4,9 @@ long the host waited on the GPU for the tokens of steps launched ahead (pipeline
 Three kinds: `prompt` (the step carries prompt tokens, with or without decode rows
 beside them, launched ahead or not), `decode` (one token a sequence, launched from the
 host's tokens) and `decode_ahead` (launched before the previous step's tokens reached
-the host). A
-`decode_ahead` step whose time is mostly the wait is bound by the GPU; one that waits
-little is bound by the host's work between steps. A `decode` step's host work is not
-hidden, so many of them beside few `decode_ahead` ones say the pipeline stops often.
+the host). A `decode_ahead` step whose time is mostly the wait is bound by the GPU; one
+that waits little is bound by the host's work between steps. A `decode` step's host work
+is not hidden, so many of them beside few `decode_ahead` ones say the pipeline stops often.
 
 The totals go to the worker's /metrics (preload_engine_steps, _step_seconds,
 _gpu_wait_seconds) and `preload bench serve` reads them around its run.
