@@ -86,17 +86,33 @@ def test_a_step_launched_ahead_never_waits_for_the_gpu():
     assert len(calls) >= 8 and any(mixed)
 
 
+def watched_against_one_step_at_a_time(params: dict, method: str) -> int:
+    """Generate PROMPTS with `params` one step at a time, then with steps launched ahead and
+    the pipeline's `method` never waiting for the GPU: the same tokens; how often it ran."""
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=UNCACHED)
+    pipeline, llm.engine.pipeline = llm.engine.pipeline, None
+    want = llm.generate(PROMPTS, **params)
+    llm.engine.pipeline = pipeline
+    calls = watched(pipeline, method)
+    got = llm.generate(PROMPTS, **params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    return len(calls)
+
+
 def test_a_penalized_step_launched_ahead_never_waits_for_the_gpu():
     """Penalties, repetition penalty, logit bias and min_tokens count the token still in
     flight from the device (sampler.py): such requests are launched ahead too, with no wait,
     and draw what steps one at a time draw."""
-    llm = LLM(BUNDLED_MODEL, device="cuda", engine=UNCACHED)
     params = dict(max_tokens=8, ignore_eos=True, presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
                   logit_bias=((7, 2.0),), min_tokens=3)
-    pipeline, llm.engine.pipeline = llm.engine.pipeline, None
-    want = llm.generate(PROMPTS, **params)
-    llm.engine.pipeline = pipeline
-    calls = watched(pipeline, "_launch")
-    got = llm.generate(PROMPTS, **params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert len(calls) >= 8
+    assert watched_against_one_step_at_a_time(params, "_launch") >= 8
+
+
+def test_a_late_draw_never_waits_for_the_gpu():
+    """Draws that read the host (a grammar's matcher) are made once the step before has
+    landed, while the GPU computes their step's forward (pipeline.py): the masks go to the
+    device queued, with no wait, and the tokens are those of steps one at a time."""
+    from preload.worker.engine.grammar import regex_grammar
+
+    params = dict(max_tokens=8, ignore_eos=True, grammar=regex_grammar("[a-z ]+"), temperature=0.7, seed=3)
+    assert watched_against_one_step_at_a_time(params, "_draw") >= 7

@@ -334,7 +334,7 @@ class Engine:
             if tokens is None:
                 # Row j follows the pending token and j drafts: the operator's processors see those
                 # as generated, and shape the row before the drafts are judged on it.
-                rows = self._processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
+                rows = self.processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
                 with stage("speculative decoding"):
                     tokens = accept(rows, seq)
             seq.keep_drafts(0)
@@ -380,7 +380,7 @@ class Engine:
         # log-probs reported are the model's.
         try:
             with stage("sampling"):
-                steered = steer(self._processed(rows, seqs), [s.params for s in seqs], [s.prompt for s in seqs],
+                steered = steer(self.processed(rows, seqs), [s.params for s in seqs], [s.prompt for s in seqs],
                                 [s.output for s in seqs], self.stop_ids, [s.matcher for s in seqs])
                 generators = [s.generator_at(len(s.output)) for s in seqs]
                 tokens = sample_batch(steered, [s.params for s in seqs], generators, [s.output for s in seqs])
@@ -391,7 +391,7 @@ class Engine:
         for seq, row in zip(seqs, rows):
             try:
                 with stage("sampling"):
-                    steered = steer(self._processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
+                    steered = steer(self.processed(row[None], [seq]), [seq.params], [seq.prompt], [seq.output],
                                     self.stop_ids, [seq.matcher])[0]
                     token = sample(steered, seq.params, seq.generator_at(len(seq.output)), seq.output)
                     drawn += drawn_on_host([seq], row[None], on_device([token], self.device))
@@ -399,7 +399,7 @@ class Engine:
                 drawn.append(fault)
         return drawn
 
-    def _processed(self, rows: torch.Tensor, seqs: list[Sequence], outputs: list[list[int]] | None = None) -> torch.Tensor:
+    def processed(self, rows: torch.Tensor, seqs: list[Sequence], outputs: list[list[int]] | None = None) -> torch.Tensor:
         """The rows after the operator's logits processors (on a copy: `rows` are reported);
         `outputs`: each row's tokens so far, where they are not its sequence's output."""
         if not self.processors:
@@ -411,7 +411,7 @@ class Engine:
     def _drafter_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """A drafter's logits as the processors shape them before drafts are drawn (as
         log-probs, the form processors take): a token they ban is never proposed."""
-        return self._processed(logits.float().log_softmax(-1), seqs, [s.output + s.drafts for s in seqs])
+        return self.processed(logits.float().log_softmax(-1), seqs, [s.output + s.drafts for s in seqs])
 
     def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None) -> Output:
         """Append the token drawn for `seq`; say what it adds."""

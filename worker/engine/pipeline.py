@@ -17,10 +17,13 @@ What it costs: a sequence that a step ends (a stop token, an abort) was computed
 in the step launched after it, for nothing; that step's cache write lands in blocks the
 sequence has released, before (in the stream's order) anyone else can be given them. A
 sequence whose booked token is its last by length is left out of the next step's schedule.
-What it needs, else steps run one at a time as without it: sampling that does not read the
-host's copy of the output (grammars and logits processors do; penalties take the token in
-flight from the device: sampler.py), no drafting, no prompt being scored. On a CPU nothing
-runs asynchronously, so the engine does not use it (the tests give it one).
+Draws that read the host's copy of the output (a grammar's matcher, the operator's logits
+processors) are made late: the step's forward is launched ahead all the same, and its draws
+only once the step before it has landed (the matchers have read its tokens), while the GPU
+computes that forward; penalties take the token in flight from the device (sampler.py) and
+draw at the launch. What it needs, else steps run one at a time as without it: no drafting,
+no prompt being scored. On a CPU nothing runs asynchronously, so the engine does not use
+it (the tests give it one).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class Flight:
     n_top: int = 0
     copied: torch.cuda.Event | None = None  # None: on a CPU, where the copy is done when made
     faults: dict[Sequence, SequenceFault] = field(default_factory=dict)  # whose draw failed: they end at landing
+    logprobs: torch.Tensor | None = None  # the rows its draws read, kept until they are made late (_draw)
 
 
 def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
@@ -68,11 +72,16 @@ def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int
 
 
 def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
-    """Whether `batch` may be launched before the step in flight lands: every draw made
-    from the device's log-probs alone, nothing read back mid-step."""
-    if not batch or engine.drafter is not None or engine.processors:
+    """Whether `batch` may be launched before the step in flight lands: nothing read back
+    mid-step."""
+    if not batch or engine.drafter is not None:
         return False
-    return all(not seq.drafts and not seq.wants_prompt_logprobs and seq.matcher is None for seq, _ in batch)
+    return all(not seq.drafts and not seq.wants_prompt_logprobs for seq, _ in batch)
+
+
+def draws_late(engine: Engine, seqs: list[Sequence]) -> bool:
+    """Whether these draws read the host's copy of the outputs: the step before must land first."""
+    return bool(engine.processors) or any(seq.matcher is not None for seq in seqs)
 
 
 class StepPipeline:
@@ -103,7 +112,10 @@ class StepPipeline:
             self.flight = self._launch(batch, flight)
         elif batch:
             self.next = batch  # (its inputs are read on the host, once this flight has landed)
-        return self._land(flight)
+        outputs = self._land(flight)
+        if self.flight is not None and self.flight.logprobs is not None:
+            self._draw(self.flight, late=True)  # (the matchers and the outputs now hold `flight`'s tokens)
+        return outputs
 
     def _launch(self, batch: list[tuple[Sequence, int]], before: Flight | None) -> Flight:
         """Compute `batch` (inputs: the host's tokens, and `before`'s draws on the device where
@@ -118,23 +130,48 @@ class StepPipeline:
                 rows.append(end - 1)
                 seqs.append(seq)
         logprobs, _ = e.forward(spans, rows, self._inputs(spans, before))
-        flight = Flight(spans, seqs)
-        if seqs:
-            flight.tokens, flight.faults = draw(seqs, logprobs, e.stop_ids, drawn_before(seqs, before))
-            packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
-            if packed.device.type != "cuda":
-                flight.host = packed
-            else:
-                flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                flight.host.copy_(packed, non_blocking=True)
-                flight.copied = torch.cuda.Event()
-                flight.copied.record()
+        flight = Flight(spans, seqs, marks=[len(seq.output) for seq in seqs], logprobs=logprobs if seqs else None)
+        if seqs and not (before is not None and draws_late(e, seqs)):
+            self._draw(flight, late=False, pending=drawn_before(seqs, before))
         for seq, start, n in spans:
             seq.computed = start + n
         for seq in seqs:
-            flight.marks.append(len(seq.output))
             seq.output.append(PLACEHOLDER)
         return flight
+
+    def _draw(self, flight: Flight, late: bool, pending: torch.Tensor | None = None) -> None:
+        """Draw `flight`'s tokens on the device and queue their copy to the host. At the
+        launch, each output may end with the placeholder of the step before (its value in
+        `pending`); late, that step has landed and each ends with `flight`'s own, which the
+        draw leaves out. A sequence the landing ended draws nothing (its row: 0)."""
+        e, seqs, logprobs = self.engine, flight.seqs, flight.logprobs
+        flight.logprobs = None
+        live = [i for i, seq in enumerate(seqs) if not seq.finished] if late else list(range(len(seqs)))
+        if late:  # (each live output ends with its own placeholder, at its mark: the draw reads what is before)
+            if any(len(seqs[i].output) != flight.marks[i] + 1 or seqs[i].output[-1] != PLACEHOLDER for i in live):
+                raise RuntimeError("a late draw's output does not end with its placeholder (a bookkeeping fault)")
+            for i in live:
+                seqs[i].output.pop()
+        try:
+            outputs = [seqs[i].output for i in live]
+            if len(live) == len(seqs):
+                flight.tokens, flight.faults = draw(e, seqs, logprobs, outputs, pending)
+            else:
+                at = on_device(live, logprobs.device, torch.long)
+                tokens, flight.faults = draw(e, [seqs[i] for i in live], logprobs[at], outputs, None)
+                flight.tokens = torch.zeros(len(seqs), dtype=torch.long, device=logprobs.device).index_copy_(0, at, tokens)
+        finally:
+            if late:
+                for i in live:
+                    seqs[i].output.append(PLACEHOLDER)
+        packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
+        if packed.device.type != "cuda":
+            flight.host = packed
+        else:
+            flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            flight.host.copy_(packed, non_blocking=True)
+            flight.copied = torch.cuda.Event()
+            flight.copied.record()
 
     def _inputs(self, spans: list[tuple[Sequence, int, int]], before: Flight | None) -> torch.Tensor | None:
         """The step's input tokens on the device where some of them are `before`'s draws,
@@ -198,29 +235,32 @@ def drawn_before(seqs: list[Sequence], before: Flight | None) -> torch.Tensor | 
     return before.tokens[on_device(picked, before.tokens.device, torch.long)]
 
 
-def draw(seqs: list[Sequence], logprobs: torch.Tensor, stop_ids: frozenset[int],
+def draw(e: Engine, seqs: list[Sequence], logprobs: torch.Tensor, outputs: list[list[int]],
          pending: torch.Tensor | None) -> tuple[torch.Tensor, dict[Sequence, SequenceFault]]:
-    """A token for each of `seqs` from its row of `logprobs` as the requests steer it, on the
-    device, for the whole batch at once (`pending`: drawn_before); if that fails, row by
-    row, so that a failure is the one sequence's whose row it is (its token then 0, fed to a
-    step launched meanwhile for nothing)."""
-    generators = [s.generator_at(len(s.output)) for s in seqs]  # (the index of the token drawn)
+    """A token for each of `seqs` from its row of `logprobs` as the operator's processors and
+    the requests shape it (`outputs`: each one's tokens before it; `pending`: drawn_before),
+    on the device, for the whole batch at once; if that fails, row by row, so that a failure
+    is the one sequence's whose row it is (its token then 0, fed to a step launched meanwhile
+    for nothing)."""
+    generators = [s.generator_at(len(out)) for s, out in zip(seqs, outputs)]  # (the index of the token drawn)
 
-    def drawn(rows: torch.Tensor, seqs: list[Sequence], generators: list, pending: torch.Tensor | None) -> torch.Tensor:
-        params, outputs = [s.params for s in seqs], [s.output for s in seqs]
-        steered = steer(rows, params, [s.prompt for s in seqs], outputs, stop_ids, pending=pending)
+    def drawn(rows: torch.Tensor, seqs: list[Sequence], outputs: list[list[int]], generators: list,
+              pending: torch.Tensor | None) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        steered = steer(e.processed(rows, seqs, outputs), params, [s.prompt for s in seqs], outputs, e.stop_ids,
+                        [s.matcher for s in seqs], pending)
         return sample_batch(steered, params, generators, outputs, pending)
 
     try:
         with stage("sampling"):
-            return drawn(logprobs, seqs, generators, pending), {}
+            return drawn(logprobs, seqs, outputs, generators, pending), {}
     except SequenceFault:
         pass
     tokens, faults = [], {}
     for i, seq in enumerate(seqs):
         try:
             with stage("sampling"):
-                tokens.append(drawn(logprobs[i : i + 1], [seq], [generators[i]],
+                tokens.append(drawn(logprobs[i : i + 1], [seq], outputs[i : i + 1], [generators[i]],
                                     pending[i : i + 1] if pending is not None else None))
         except SequenceFault as fault:
             faults[seq] = fault

@@ -88,7 +88,7 @@ def steer(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list
                 # (no wait: a step launched ahead draws here; an item assigned would copy a host scalar)
                 row.index_fill_(0, to_device(stops, dev), float("-inf"))
         if grammar is not None:
-            row.masked_fill_(~grammar.to(dev), float("-inf"))
+            row.masked_fill_(~to_device(grammar, dev), float("-inf"))
     return logits
 
 

@@ -18,6 +18,7 @@ from engine_steps import run_to_end
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
 from preload.worker.engine.output import Output
+from preload.worker.engine.grammar import regex_grammar
 from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
@@ -144,13 +145,47 @@ def test_penalized_and_steered_requests_are_launched_ahead_and_draw_the_same(eng
     assert len(launched) == 11
 
 
-def test_requests_with_a_grammar_are_not_launched_ahead(engine, monkeypatch):
-    """A grammar's matcher reads each token on the host before the next draw is masked."""
-    from preload.worker.engine.grammar import regex_grammar
-
+def test_requests_with_a_grammar_are_launched_ahead_and_draw_late(engine, monkeypatch):
+    """A grammar's matcher reads each token on the host before the next draw is masked: the
+    step's forward is launched ahead all the same, its draws made once the step before has
+    landed. Beside plain and penalized requests; one ends by its grammar (a stop while the
+    next step is in flight), the others by length."""
     launched = count_launches_ahead(engine, monkeypatch)
-    same(engine, lambda: requests(grammar=regex_grammar("[a-z ]+"), max_tokens=5))
-    assert launched == []
+
+    def make():
+        seqs = requests(temperature=0.8, seed=11)
+        seqs[0].params = SamplingParams(max_tokens=12, grammar=regex_grammar("(yes|no|maybe)"))
+        seqs[1].params = SamplingParams(max_tokens=9, ignore_eos=True, grammar=regex_grammar("[a-z ]+"))
+        seqs[2].params = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=1.5)
+        return seqs
+
+    alone, _ = same(engine, make)
+    assert alone[0].finish_reason == "stop" and alone[0].text in ("yes", "no", "maybe")
+    assert set(alone[1].text) <= set("abcdefghijklmnopqrstuvwxyz ") and len(alone[1].token_ids) == 9
+    assert len(launched) >= 10 and 3 in launched
+
+
+class NoRepeat:
+    """A logits processor that reads the outputs on the host: the token generated last is
+    banned next (so that a draw made without the step before it landed would differ)."""
+
+    def __init__(self, context):
+        pass
+
+    def __call__(self, logits, batch):
+        for row, out in enumerate(batch.outputs):
+            if out:
+                logits[row, out[-1]] = float("-inf")
+        return logits
+
+
+def test_logits_processors_draw_late_with_every_token_before_theirs():
+    engine = engine_with(kv_cache_memory=32 << 20, logits_processors=(f"{__name__}:NoRepeat",))
+    launched, forward = [], engine.forward
+    engine.forward = lambda spans, rows, tokens=None: (launched.append(tokens is not None), forward(spans, rows, tokens))[1]
+    alone, ahead = same(engine, lambda: requests(repetition_penalty=0.5))  # (below 1: repeats made likelier)
+    assert all(a != b for o in alone for a, b in zip(o.token_ids, o.token_ids[1:]))
+    assert launched.count(True) >= 10
 
 
 def test_an_arrival_is_admitted_at_the_next_step(engine):
@@ -286,7 +321,8 @@ def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_tim
     """Twelve requests whose prompts share prefixes of one another (the prefix cache finds
     them) through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5 places, greedy
     and seeded, some stopping on many tokens, some penalized (their token in flight counted
-    from the device): the same tokens, and every block given back."""
+    from the device), some under a grammar (drawn late): the same tokens, and every block
+    given back."""
     cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
     per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
     engine = engine_with(kv_cache_memory=20 * 4 * per_token, block_size=4, max_num_batched_tokens=12, max_num_seqs=5)
@@ -304,6 +340,8 @@ def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_tim
                 params |= {"stop_token_ids": list(range(3, 1000, 7))}
             if i % 5 == 2:
                 params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
+            if i % 6 == 4:  # (drawn late)
+                params |= {"grammar": regex_grammar("[a-z ]+")}
             seqs.append(Sequence(prompt, SamplingParams(**params)))
         return seqs
 
