@@ -69,6 +69,7 @@ class RequestRecord:
     ttft: float | None = None
     latency: float | None = None
     output_tokens: int = 0
+    cached_tokens: int = 0  # of its prompt, found in the server's prefix cache (usage.prompt_tokens_details)
     chunk_gaps: list[float] = field(default_factory=list)
 
     @property
@@ -188,6 +189,7 @@ async def one_request(client: httpx.AsyncClient, fields: dict, prompt: list[int]
         rec.error = f"asked for {max_tokens} tokens, got {usage['completion_tokens']}"
     else:
         rec.output_tokens = usage["completion_tokens"]
+        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         rec.ok = True
     return rec
 
@@ -345,6 +347,7 @@ def figures(records: list[RequestRecord], wall: float) -> dict:
             "output_tokens_per_s": out_tokens / wall if wall else None,
             "total_tokens_per_s": (out_tokens + prompt_tokens) / wall if wall else None,
             "prompt_tokens": prompt_tokens,
+            "prompt_tokens_cached": sum(r.cached_tokens for r in good),
             "output_tokens": out_tokens,
         },
         "ttft_s": quantiles((r.ttft for r in good), PERCENTILES),
@@ -381,10 +384,13 @@ def format_table(result: dict) -> str:
 def run_lines(run: dict) -> list[str]:
     """One run's throughput and latencies."""
     t = run["throughput"]
+    cached = 100 * t.get("prompt_tokens_cached", 0) / max(t["prompt_tokens"], 1)
     lines = [
         f"completed {run['completed']}, failed {run['failed']} in {run['wall_s']:.2f} s",
         f"throughput: {t['requests_per_s']:.2f} req/s, {t['output_tokens_per_s']:.1f} output tok/s, "
         f"{t['total_tokens_per_s']:.1f} total tok/s",
+        # (a run that repeats an earlier one's --seed on the same server finds its prompts cached, and is faster)
+        f"prompt tokens found in the prefix cache: {cached:.1f}%",
         "",
         f"{'latency (ms)':<22}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'n':>8}",
     ]

@@ -22,6 +22,9 @@ def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
         penalized = preload(*bench, "--requests", 3, "--extra-body", '{"frequency_penalty": 0.5, "temperature": 0.7}',
                             "--json", tmp_path / "penalized.json", timeout=120)
         refused = preload(*bench, "--requests", 1, "--extra-body", '{"frequency_penalty": 9}', timeout=120)
+        # the same longer prompts twice (one seed): the second run's found in the prefix cache, and says so
+        again = [preload(*bench[:6], "--output-len", "4:8", "--prompt-len", "40:48", "--requests", 2, "--seed", 9,
+                         "--vocab", 200, "--json", tmp_path / f"again-{i}.json", timeout=120) for i in range(2)]
     assert r.returncode == 0, r.stdout + r.stderr
     assert penalized.returncode == 0, penalized.stdout + penalized.stderr
     done = json.loads((tmp_path / "penalized.json").read_text())
@@ -37,6 +40,10 @@ def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
     assert 1 <= steps["decode"]["steps"] <= asked - 6 and steps["decode"]["ms_per_step"] > 0
     assert steps["decode_ahead"]["steps"] == 0 and steps["gpu_wait_share"] is None
     assert "engine steps: prompt" in r.stdout
+    first, second = (json.loads((tmp_path / f"again-{i}.json").read_text())["throughput"] for i in range(2))
+    assert first["prompt_tokens_cached"] == 0 < second["prompt_tokens_cached"] <= second["prompt_tokens"]
+    assert "prompt tokens found in the prefix cache: 0.0%" in again[0].stdout
+    assert "prompt tokens found in the prefix cache: 0.0%" not in again[1].stdout
     assert result["config"]["graphs_wait_s"] < 5  # (a CPU captures none: nothing to wait for)
 
 
