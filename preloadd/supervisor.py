@@ -103,8 +103,9 @@ class Supervisor:
         """Wait until every slot has a ready worker: None, or why that will not happen. A
         worker's `timeout` counts from its own start (one not ready by then is killed as hung,
         `_check_liveness`, and that fails the start); before it, a worker waits for the
-        zygote's imports, seconds of a cold start, which get a `timeout` of their own."""
-        deadline = time.monotonic() + timeout
+        zygote's imports, seconds of a cold start, which get zygote.IMPORTS_TIMEOUT if longer."""
+        waited = max(timeout, zyg.IMPORTS_TIMEOUT)
+        deadline = time.monotonic() + waited
         with self._published:
             while True:
                 s = self._snapshot
@@ -120,7 +121,7 @@ class Supervisor:
                     return None
                 left = deadline - time.monotonic()
                 if left <= 0 and not all(w["pid"] for w in s["workers"]):
-                    return f"workers not started within {timeout:.0f} s"
+                    return f"workers not started within {waited:.0f} s"
                 self._published.wait(max(left, 0.5))
 
     def restart(self, now: bool) -> None:

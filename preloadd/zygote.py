@@ -54,6 +54,7 @@ from preload.preloadd.install import code_version, compiles_from_source
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV, METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
+IMPORTS_TIMEOUT = 120.0  # a start's wait for the imports, if --worker-start-timeout is shorter (a loaded host)
 FORK_TIMEOUT = 10.0  # seconds for the zygote to answer a fork request; a zygote that does not is replaced
 CODE_CHECK_INTERVAL = 2.0  # seconds between looks at whether the installed code changed
 WORKER_ENV = (KERNEL_CACHE_ENV, MULTIPROC_ENV)  # set by the daemon for its workers (daemon.py)

@@ -23,6 +23,7 @@ from supervised import api, complete, logs, start_args, wait_replaced, workers_o
 
 from preload.ipc.sockets import listen
 from preload.options import DaemonOptions, ServeOptions
+from preload.preloadd import zygote as zyg
 from preload.preloadd.supervisor import Supervisor
 from preload.preloadd.workers import Worker
 
@@ -104,6 +105,19 @@ def test_a_worker_stuck_in_its_attach_is_killed_at_the_start_deadline(tiny_check
             os.rename(d.state_dir / "fds.sock.real", fds)
         wait_replaced(d, {0: w["pid"]}, timeout=60)
         complete(port)
+
+
+def test_a_start_waits_for_the_zygotes_imports_longer_than_a_short_worker_start_timeout(tmp_path, monkeypatch):
+    """--worker-start-timeout counts from a worker's start: a zygote still importing (no
+    worker forked yet, slow on a loaded host) fails the start only after IMPORTS_TIMEOUT."""
+    monkeypatch.setattr(zyg, "IMPORTS_TIMEOUT", 2.0)
+    sup = Supervisor(DaemonOptions(workers=1, zygote=False), ServeOptions(state_dir=tmp_path), 0, None)
+    sup._snapshot = {"workers": [{"slot": 0, "pid": None, "restarts": 0, "state": "starting",
+                                  "front": {"restarts": 0, "state": "starting"}}], "spares": []}
+    began = time.monotonic()
+    why = sup.wait_started(0.5)
+    assert time.monotonic() - began >= 2.0, why
+    assert why == "workers not started within 2 s"
 
 
 def fake_worker(tmp_path) -> tuple[Worker, socket.socket, subprocess.Popen]:
