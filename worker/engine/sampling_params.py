@@ -85,13 +85,12 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-def draw_seed(seed: int, index: int, stream: int = 0) -> int:
+def draw_seed(seed: int, index: int) -> int:
     """The seed a seeded request's draw for its output token `index` starts from (SplitMix64
-    of the three): a function of the request and the position alone, so that the request
+    of the two): a function of the request and the position alone, so that the request
     computed again elsewhere (resumed after its worker died, or preempted) draws the same
-    tokens, whatever else its process drew before. `stream` keeps apart draws at one
-    position that must not repeat each other (speculative decoding's drafts)."""
-    x = (seed + 0x9E3779B97F4A7C15 * (index + 1) + 0xD1B54A32D192ED03 * stream) % 2**64
+    tokens, whatever else its process drew before."""
+    x = (seed + 0x9E3779B97F4A7C15 * (index + 1)) % 2**64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
     return x ^ (x >> 31)

@@ -94,12 +94,12 @@ class Sequence:
         self.drafts[:] = values
         self.draft_at = None
 
-    def generator_at(self, index: int, stream: int = 0) -> torch.Generator | None:
+    def generator_at(self, index: int) -> torch.Generator | None:
         """A seeded request's generator, set for the draws of its output token `index`
         (sampling_params.draw_seed); None for the others (they draw from the device's)."""
         if self.generator is None or self.params.seed is None:  # (a generator given without a seed draws on)
             return self.generator
-        return self.generator.manual_seed(draw_seed(self.params.seed, index, stream))
+        return self.generator.manual_seed(draw_seed(self.params.seed, index))
 
     def keep_drafts(self, n: int) -> None:
         del self.drafts[n:], self.draft_probs[n:]

@@ -24,7 +24,9 @@ one copy to the host a step, not one a draft.
 
 The KV of rejected drafts is left where it is: context lengths never reach it, and the
 next tokens overwrite it. Only requests whose logits nothing else changes speculate (no
-grammar, bias, penalties, log-probs); the others decode one token a step beside them.
+grammar, bias, penalties, log-probs), and no seeded sampled ones (their tokens through
+drafts would depend on the drafts, and so on the load); the others decode one token a
+step beside them, a seeded one the tokens it draws without drafts.
 The operator's logits processors (--logits-processors) apply to every request, so they
 shape both sides: the drafter's rows before a draft is drawn (`shape`), and each of the
 target's verified rows before the drafts are judged (the engine's), each row seeing the
@@ -97,9 +99,11 @@ def check_drafter(spec: SpecConfig | None, target, draft) -> None:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether nothing but temperature, top-k and top-p shapes this request's draws."""
+    """Whether nothing but temperature, top-k and top-p shapes this request's draws, and no
+    seed fixes them: a seeded request's tokens drawn through drafts would depend on the
+    drafts, and so on the load (how many fit, preemptions), not on the seed alone."""
     p = seq.params
-    return not p.shapes_logits and p.logprobs is None and p.prompt_logprobs is None
+    return not p.shapes_logits and p.logprobs is None and p.prompt_logprobs is None and (p.greedy or p.seed is None)
 
 
 def accept(rows: torch.Tensor, seq: Sequence) -> list[int]:
@@ -114,9 +118,7 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     drafts while they equal the rows' argmax, then the argmax. A sampled one keeps draft j
     with probability min(1, p(d) / q(d)) (a uniform u: u q(d) < p(d)); the first one
     refused is replaced by a draw from max(0, p - q) renormalized (p where that is empty),
-    and after k kept drafts the next token is drawn from p. A seeded request draws row j's
-    token and u from its generator set for output token len(output) + j
-    (sampling_params.draw_seed)."""
+    and after k kept drafts the next token is drawn from p."""
     dev, ks = rows.device, [len(seq.drafts) for seq in seqs]
     firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
     before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
@@ -138,16 +140,6 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
         judging = on_device([f + j for f, i in zip(mine, drawn) for j in range(ks[i])], dev, torch.long)
         p = distributions(rows[own].float(), [seqs[i].params for i in drawn for _ in range(ks[i] + 1)])
         noise, u = torch.empty_like(p).exponential_(), torch.rand(len(judging), device=dev)
-        row = judged = 0
-        for i in drawn:
-            seq = seqs[i]
-            for j in range(ks[i] + 1):
-                gen = seq.generator_at(len(seq.output) + j)  # (set for this row: its noise, then its u)
-                if gen is not None:
-                    noise[row].exponential_(generator=gen)
-                    if j < ks[i]:
-                        u[judged : judged + 1].uniform_(generator=gen)
-                row, judged = row + 1, judged + (j < ks[i])
         theirs = on_device([before[i] + j for i in drawn for j in range(ks[i])], dev, torch.long)  # in `kept`
         q = torch.stack([q for i in drawn for q in seqs[i].draft_probs]).to(p)
         pd, dd = p[judging], d[theirs][:, None]
@@ -307,14 +299,12 @@ class Drafter:
             self._draw(seqs, x, logits, shift)
         self.drafted += sum(len(catch[i][0].drafts) for i in picks)
 
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft j of each row (on the device): the argmax for greedy requests, for sampled
+    @staticmethod
+    def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft for each row (on the device): the argmax for greedy requests, for sampled
         ones a draw from q, their distribution (also returned, [S, V] in row order, for the
-        acceptance test); a seeded request draws from its generator set for the output token
-        the draft stands for (stream 1: not the target's draws of it)."""
-        gens = [None if seq.params.greedy else seq.generator_at(len(seq.output) + len(seq.drafts) + j, stream=1)
-                for seq in seqs]
-        return sample_rows(logits, [seq.params for seq in seqs], gens)
+        acceptance test)."""
+        return sample_rows(logits, [seq.params for seq in seqs], [None] * len(seqs))
 
     def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
         """Drafts chained on the device, when no processor shapes them: each draft is the
@@ -324,7 +314,7 @@ class Drafter:
         fed = [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
         drafts, qs = [], []  # per draft: the tokens of fed[j]; the q rows of its sampled ones
         while True:
-            token, q = self._pick(logits, [seqs[i] for i in fed[-1]], len(drafts))
+            token, q = self._pick(logits, [seqs[i] for i in fed[-1]])
             drafts.append(token)
             qs.append(q)
             if len(drafts) == self.k:
@@ -353,7 +343,7 @@ class Drafter:
         for j in range(self.k):
             try:
                 with stage("speculative decoding"):
-                    token, q = self._pick(self.shape(logits, seqs), seqs, 0)
+                    token, q = self._pick(self.shape(logits, seqs), seqs)
                     drafts = token.tolist()
             except SequenceFault:  # (a processor failed: their sampling meets it again)
                 break
