@@ -1,0 +1,74 @@
+"""Steps replayed from the decode graphs (cuda_graphs.py) give what eager steps give:
+decode steps of batches across the buckets (padding rows on the scratch block), steps
+launched ahead (their inputs on the device), verify steps and the drafter's steps of the
+MTP layer and of a draft model. On the CPU, with the graphs stood in for
+(tests/graphs_on_cpu.py): what runs is the graphs' host side, as on a GPU."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from engine_steps import run_to_end
+from graphs_on_cpu import engine_with_graphs, stand_in_for_graphs
+
+from preload import BUNDLED_MODEL, LLM
+from preload.options import EngineOptions
+from preload.worker.engine.pipeline import StepPipeline
+from preload.worker.engine.sampling_params import SamplingParams
+from preload.worker.engine.sequence import Sequence
+
+BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6)
+DRAFT_MODEL = str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(BUNDLED_MODEL, dtype="float32", engine=BASE)
+
+
+def requests() -> list[Sequence]:
+    """Six requests of 3 to 30 prompt tokens, ending one after another (batches of 6 down to
+    1: every bucket, most padded), the longest first (in the first blocks, where padding
+    rows written anywhere but the scratch block would land)."""
+    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)), SamplingParams(max_tokens=4 + 5 * i, ignore_eos=True))
+            for i in reversed(range(6))]
+
+
+def outputs(engine, pipelined: bool = False) -> list[list[int]]:
+    engine.pipeline = StepPipeline(engine) if pipelined else None
+    try:
+        return [o.token_ids for o in run_to_end(engine, requests()).values()]
+    finally:
+        engine.pipeline = None
+
+
+def speculating(method: str, k: int) -> EngineOptions:
+    spec = {"method": method, "num_speculative_tokens": k} | ({"model": DRAFT_MODEL} if method == "draft_model" else {})
+    return replace(BASE, speculative_config=json.dumps(spec))
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["one-at-a-time", "launched-ahead"])
+def test_decode_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, pipelined):
+    want = outputs(llm.engine)
+    graphs = stand_in_for_graphs(monkeypatch)
+    engine = engine_with_graphs(llm, BASE)
+    assert outputs(engine, pipelined) == want
+    assert sorted(engine.graphs.graphs) == [1, 2, 4, 6]
+    assert all(g.replays > 0 for g in graphs)  # (every bucket replayed: 6 requests down to 1)
+    assert engine.blocks.used == 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_and_draft_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, method, k):
+    eager = LLM(BUNDLED_MODEL, dtype="float32", engine=speculating(method, k)).engine
+    want = outputs(eager)
+    graphs = stand_in_for_graphs(monkeypatch)
+    engine = engine_with_graphs(llm, speculating(method, k))
+    assert outputs(engine) == want == outputs(llm.engine)
+    verify = len(engine.graphs.graphs)  # (captured first: the target's, then the drafter's)
+    assert any(g.replays for g in graphs[:verify]) and any(g.replays for g in graphs[verify:])
+    assert engine.stats().spec_accepted_tokens == eager.stats().spec_accepted_tokens > 0
