@@ -160,16 +160,16 @@ class Attention:
     def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMeta, cache: LatentCache,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output [T, H * dv], before the output projection (into `out`, [T, H,
-        dv], if given: the GPU's form only)."""
+        dv], if given: a prompt step's captured pieces read it there, prompt_graphs.py)."""
         if meta.is_decode or q_nope.is_cuda:
             out = paged_attention(q_nope, q_pe, self.kv_b_dense(q_nope.dtype), cache.pools(self.layer), meta,
                                   self.scale, out)
             return out.flatten(1)
         # The CPU's (and training's, which autograd follows) form: gather each context, mask [B, Q, K].
         ctx_c_kv, ctx_k_pe = cache.read(self.layer, meta.kv_slots)
-        out = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(q_nope.dtype),
-                           meta.mask, self.scale)
-        return out[meta.q_valid].flatten(1)
+        got = mla_expanded(q_nope[meta.q_index], q_pe[meta.q_index], ctx_c_kv, ctx_k_pe, self.kv_b_dense(q_nope.dtype),
+                           meta.mask, self.scale)[meta.q_valid]
+        return got.flatten(1) if out is None else out.copy_(got).flatten(1)
 
 
 class Block:

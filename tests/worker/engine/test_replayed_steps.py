@@ -1,6 +1,7 @@
-"""Steps replayed from the decode graphs (cuda_graphs.py) give what eager steps give:
-decode steps of batches across the buckets (padding rows on the scratch block), steps
-launched ahead (their inputs on the device), verify steps and the drafter's steps of the
+"""Steps replayed from the decode graphs (cuda_graphs.py) and the prompt steps' pieces
+(prompt_graphs.py) give what eager steps give: decode steps of batches across the buckets
+(padding rows on the scratch block), prompts chunked beside decode rows, steps launched
+ahead (their inputs on the device), verify steps and the drafter's steps of the
 MTP layer and of a draft model. On the CPU, with the graphs stood in for
 (tests/graphs_on_cpu.py): what runs is the graphs' host side, as on a GPU."""
 
@@ -29,18 +30,21 @@ def llm():
     return LLM(BUNDLED_MODEL, dtype="float32", engine=BASE)
 
 
-def requests() -> list[Sequence]:
+def requests(**params) -> list[Sequence]:
     """Six requests of 3 to 30 prompt tokens, ending one after another (batches of 6 down to
     1: every bucket, most padded), the longest first (in the first blocks, where padding
     rows written anywhere but the scratch block would land)."""
-    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)), SamplingParams(max_tokens=4 + 5 * i, ignore_eos=True))
+    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)),
+                     SamplingParams(**({"max_tokens": 4 + 5 * i, "ignore_eos": True} | params)))
             for i in reversed(range(6))]
 
 
-def outputs(engine, pipelined: bool = False) -> list[list[int]]:
+def outputs(engine, pipelined: bool = False, **params) -> list:
+    """Each request's tokens (with `params`: its Output)."""
     engine.pipeline = StepPipeline(engine) if pipelined else None
     try:
-        return [o.token_ids for o in run_to_end(engine, requests()).values()]
+        got = run_to_end(engine, requests(**params)).values()
+        return list(got) if params else [o.token_ids for o in got]
     finally:
         engine.pipeline = None
 
@@ -51,13 +55,21 @@ def speculating(method: str, k: int) -> EngineOptions:
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["one-at-a-time", "launched-ahead"])
-def test_decode_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, pipelined):
-    want = outputs(llm.engine)
+def test_decode_and_prompt_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, pipelined):
+    """16 tokens a step: the prompts go in chunks beside the decode rows of those admitted
+    first, a prompt step's pieces between attentions replayed (prompt_graphs.py); then
+    decode steps of 6 rows down to 1. The same tokens and log-probs (within float32's
+    rounding: a decode row is computed apart in a graph)."""
+    config = replace(BASE, max_num_batched_tokens=16)
+    want = outputs(llm.engine, logprobs=0)
     graphs = stand_in_for_graphs(monkeypatch)
-    engine = engine_with_graphs(llm, BASE)
-    assert outputs(engine, pipelined) == want
-    assert sorted(engine.graphs.graphs) == [1, 2, 4, 6]
-    assert all(g.replays > 0 for g in graphs)  # (every bucket replayed: 6 requests down to 1)
+    engine = engine_with_graphs(llm, config)
+    got = outputs(engine, pipelined, logprobs=0)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    assert sorted(engine.graphs.graphs) == [1, 2, 4, 6] and sorted(engine.prompt_graphs.graphs) == [16]
+    assert all(g.replays > 0 for g in graphs)  # (every decode bucket and prompt piece replayed)
     assert engine.blocks.used == 0
 
 
