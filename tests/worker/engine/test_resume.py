@@ -1,7 +1,7 @@
 """A request resumed with the output it had so far (its engine died, and another takes it
 up) goes on as if nothing happened: the same tokens, greedy or seeded, with penalties,
-with a grammar, with log-probs, its text the same piece by piece; the draws of a seeded
-request are keyed by its seed and the position alone."""
+with a grammar, with log-probs, on an engine that drafts, its text the same piece by
+piece; the draws of a seeded request are keyed by its seed and the position alone."""
 
 from __future__ import annotations
 
@@ -60,6 +60,19 @@ def test_a_resumed_request_draws_what_it_would_have_drawn(llm, case, k):
         assert after.logprobs == pytest.approx(before.logprobs[k:], abs=1e-4)
         assert [sorted(t) for t in after.top_logprobs] == [sorted(t) for t in before.top_logprobs[k:]]
     assert llm.engine.blocks.used == 0
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded"])
+def test_a_request_resumed_on_a_drafting_engine_draws_what_it_would_have_drawn(llm, case):
+    """Taken up by an engine that drafts (the MTP layer, 2 drafts a step): the tokens of the
+    uninterrupted request on an engine without drafts (a seeded request does not draft)."""
+    params = CASES[case]
+    before = whole(llm.engine, params)
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    drafting = LLM(BUNDLED_MODEL, dtype="float32", engine=replace(llm.engine.config, speculative_config=spec)).engine
+    after = resumed_after(drafting, params, before, 9)
+    assert before.token_ids[:9] + after.token_ids == before.token_ids
+    assert drafting.stats().spec_draft_tokens > 0 or case == "seeded"
 
 
 def test_its_text_reads_on_where_it_stopped(llm):
