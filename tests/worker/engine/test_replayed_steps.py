@@ -56,14 +56,16 @@ def speculating(method: str, k: int) -> EngineOptions:
     return replace(BASE, speculative_config=json.dumps(spec))
 
 
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["one-at-a-time", "launched-ahead"])
-def test_decode_and_prompt_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, pipelined):
+def test_decode_and_prompt_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, pipelined, cache):
     """16 tokens a step: the prompts go in chunks beside the decode rows of those admitted
     first, a prompt step's pieces between attentions replayed (prompt_graphs.py); then
     decode steps of 6 rows down to 1. The same tokens and log-probs (within float32's
-    rounding: a decode row is computed apart in a graph)."""
-    config = replace(BASE, max_num_batched_tokens=16)
-    want = outputs(llm.engine, logprobs=0)
+    rounding: a decode row is computed apart in a graph), with the model's dtype in the
+    cache and with fp8 (and its scales)."""
+    config = replace(BASE, max_num_batched_tokens=16, kv_cache_dtype=cache)
+    want = outputs(LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine, logprobs=0)
     graphs = stand_in_for_graphs(monkeypatch)
     engine = engine_with_graphs(llm, config)
     got = outputs(engine, pipelined, logprobs=0)
