@@ -25,6 +25,7 @@ from preload.worker.engine.sequence import Sequence
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6)
 DRAFT_MODEL = str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft")
+BAN = 'preload.worker.engine.logits_processors:BanTokens={"token_ids": [13, 269, 290]}'
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +91,17 @@ def test_verify_and_draft_steps_replayed_give_the_tokens_of_eager_steps(llm, mon
     assert engine.stats().spec_accepted_tokens == eager.stats().spec_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", [None, "mtp", "draft_model"], ids=["no-drafts", "mtp", "draft-model"])
-def test_a_mixed_workload_replayed_and_launched_ahead_gives_what_eager_steps_give(llm, monkeypatch, method):
+@pytest.mark.parametrize("method, processors", [(None, ()), ("mtp", ()), ("draft_model", ()), ("mtp", (BAN,))],
+                         ids=["no-drafts", "mtp", "draft-model", "mtp-processor"])
+def test_a_mixed_workload_replayed_and_launched_ahead_gives_what_eager_steps_give(llm, monkeypatch, method, processors):
     """Twelve requests of 1 to 40 prompt tokens (some sharing prefixes: prefix-cache hits)
     and 1 to 40 output tokens through 5 places, 16 tokens a step and 24 blocks of 4
     (preemptions): greedy ones stopping on many tokens, penalized, seeded, one under a
     grammar (drawn late), one asking for log-probs; replayed from the graphs and launched
-    ahead, against eager steps one at a time."""
+    ahead, against eager steps one at a time; without drafts, with them, and with them and
+    the operator's logits processor (each draft drawn on the host)."""
     config = replace(speculating(method, 2) if method else BASE, block_size=4, max_num_batched_tokens=16,
-                     max_num_seqs=5, enable_prefix_caching=True)
+                     max_num_seqs=5, enable_prefix_caching=True, logits_processors=processors)
     probe = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
     config = replace(config, kv_cache_memory=25 * (config.kv_cache_memory // (probe.blocks.num_blocks + 1)))
     base = [random.Random(3).randrange(5, 200) for _ in range(24)]
@@ -132,3 +135,5 @@ def test_a_mixed_workload_replayed_and_launched_ahead_gives_what_eager_steps_giv
     assert got[10].logprobs == pytest.approx(want[10].logprobs, abs=1e-5)
     s = engine.stats()
     assert s.preemptions > 0 and s.prefix_hit_tokens > 0 and engine.blocks.used == 0
+    if processors:
+        assert not {13, 269, 290} & {t for o in got for t in o.token_ids}
