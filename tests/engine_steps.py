@@ -1,11 +1,17 @@
 """Driving an engine by hand, as the worker's engine thread does: step until its work is
-done, collecting each sequence's Outputs."""
+done, collecting each sequence's Outputs; and a mixed workload to drive it with."""
 
 from __future__ import annotations
 
+import random
+
+from preload.worker.engine.grammar import regex_grammar
 from preload.worker.engine.output import Output
 from preload.worker.engine.output_text import OutputText, with_text
+from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
+
+LOGPROBS = 10  # the index of mixed_requests' one request asking for log-probs
 
 
 def run_to_end(engine, seqs: list[Sequence], each_step=None) -> dict[int, Output]:
@@ -26,3 +32,28 @@ def run_to_end(engine, seqs: list[Sequence], each_step=None) -> dict[int, Output
         if each_step is not None:
             each_step(outputs)
     return {seq.id: Output.merge(outputs[seq.id]) for seq in seqs}
+
+
+def mixed_requests(seed: int) -> list[Sequence]:
+    """Twelve requests of 1 to 40 prompt tokens, some sharing prefixes of one another, and 1
+    to 40 output tokens: greedy ones stopping on many tokens, seeded sampled ones,
+    penalized ones, one under a grammar, one asking for log-probs (at LOGPROBS); the same
+    ones for the same `seed`."""
+    gen = random.Random(seed)
+    base = [gen.randrange(5, 200) for _ in range(24)]
+    seqs = []
+    for i in range(12):
+        prompt = base[: gen.randrange(0, 24)] + [gen.randrange(5, 200) for _ in range(gen.randrange(1, 17))]
+        params = {"max_tokens": gen.randrange(1, 41), "ignore_eos": True}
+        if i % 3 == 0:
+            params |= {"stop_token_ids": list(range(3, 1000, 7))}
+        if i % 4 == 1:
+            params |= {"temperature": 0.8, "seed": i}
+        if i % 5 == 2:
+            params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
+        if i == 7:
+            params |= {"grammar": regex_grammar("[a-z ]+")}
+        if i == LOGPROBS:
+            params |= {"logprobs": 2}
+        seqs.append(Sequence(prompt, SamplingParams(**params)))
+    return seqs

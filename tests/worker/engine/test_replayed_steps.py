@@ -8,17 +8,15 @@ MTP layer and of a draft model. On the CPU, with the graphs stood in for
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from engine_steps import run_to_end
+from engine_steps import LOGPROBS, mixed_requests, run_to_end
 from graphs_on_cpu import engine_with_graphs, stand_in_for_graphs
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
-from preload.worker.engine.grammar import regex_grammar
 from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
@@ -94,45 +92,24 @@ def test_verify_and_draft_steps_replayed_give_the_tokens_of_eager_steps(llm, mon
 @pytest.mark.parametrize("method, processors", [(None, ()), ("mtp", ()), ("draft_model", ()), ("mtp", (BAN,))],
                          ids=["no-drafts", "mtp", "draft-model", "mtp-processor"])
 def test_a_mixed_workload_replayed_and_launched_ahead_gives_what_eager_steps_give(llm, monkeypatch, method, processors):
-    """Twelve requests of 1 to 40 prompt tokens (some sharing prefixes: prefix-cache hits)
-    and 1 to 40 output tokens through 5 places, 16 tokens a step and 24 blocks of 4
-    (preemptions): greedy ones stopping on many tokens, penalized, seeded, one under a
-    grammar (drawn late), one asking for log-probs; replayed from the graphs and launched
-    ahead, against eager steps one at a time; without drafts, with them, and with them and
-    the operator's logits processor (each draft drawn on the host)."""
+    """engine_steps.mixed_requests (some sharing prefixes: prefix-cache hits; one under a
+    grammar: drawn late) through 5 places, 16 tokens a step and 24 blocks of 4
+    (preemptions), replayed from the graphs and launched ahead, against eager steps one at
+    a time; without drafts, with them, and with them and the operator's logits processor
+    (each draft drawn on the host)."""
     config = replace(speculating(method, 2) if method else BASE, block_size=4, max_num_batched_tokens=16,
                      max_num_seqs=5, enable_prefix_caching=True, logits_processors=processors)
     probe = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
     config = replace(config, kv_cache_memory=25 * (config.kv_cache_memory // (probe.blocks.num_blocks + 1)))
-    base = [random.Random(3).randrange(5, 200) for _ in range(24)]
-
-    def make() -> list[Sequence]:
-        gen, seqs = random.Random(3), []
-        for i in range(12):
-            prompt = base[: gen.randrange(0, 24)] + [gen.randrange(5, 200) for _ in range(gen.randrange(1, 17))]
-            params = {"max_tokens": gen.randrange(1, 41), "ignore_eos": True}
-            if i % 3 == 0:
-                params |= {"stop_token_ids": list(range(3, 1000, 7))}
-            if i % 4 == 1:
-                params |= {"temperature": 0.8, "seed": i}
-            if i % 5 == 2:
-                params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
-            if i == 7:
-                params |= {"grammar": regex_grammar("[a-z ]+")}
-            if i == 10:
-                params |= {"logprobs": 2}
-            seqs.append(Sequence(prompt, SamplingParams(**params)))
-        return seqs
-
     eager = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
     assert 22 <= eager.blocks.num_blocks <= 25
-    want = list(run_to_end(eager, make()).values())
+    want = list(run_to_end(eager, mixed_requests(3)).values())
     stand_in_for_graphs(monkeypatch)
     engine = engine_with_graphs(llm, config)
     engine.pipeline = StepPipeline(engine)
-    got = list(run_to_end(engine, make()).values())
+    got = list(run_to_end(engine, mixed_requests(3)).values())
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
-    assert got[10].logprobs == pytest.approx(want[10].logprobs, abs=1e-5)
+    assert got[LOGPROBS].logprobs == pytest.approx(want[LOGPROBS].logprobs, abs=1e-5)
     s = engine.stats()
     assert s.preemptions > 0 and s.prefix_hit_tokens > 0 and engine.blocks.used == 0
     if processors:
