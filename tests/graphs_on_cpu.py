@@ -5,9 +5,9 @@ again, eagerly, and copies what it returns into those outputs, as a replay overw
 graph's static outputs. Everything around the graphs runs as it does on a GPU: the host
 buffers filled and copied in (cuda_graphs.DecodeGraphs._fill), rows moved on the device
 (shift_rows), buckets, padding rows on the scratch block, the drafter's graphs, the
-prompt steps' pieces between attentions (prompt_graphs.py). What it
-cannot show is the GPU's part: a kernel that reads something a capture froze (a host
-value, a pointer) is seen only by the GPU tests (tests/gpu/).
+prompt steps' pieces between attentions (prompt_graphs.py). What it cannot show is the
+GPU's part: a kernel that reads something a capture froze (a host value, a pointer) is
+seen only by the GPU tests (tests/gpu/).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from preload.worker.llm import LLM
 
 @dataclass
 class EagerGraph:
+    """A captured step, replayed by running it again: `replays` counts the replays."""
+
     run: object
     out: object  # what the captured run returned: a tensor, a tuple of them, or None
     replays: int = 0
