@@ -12,7 +12,7 @@ import torch
 
 from preload import BUNDLED_MODEL
 from preload.checkpoint.config import ModelConfig
-from preload.worker.model.kv_cache import CacheMemory, LatentCache
+from preload.worker.model.kv_cache import AttentionMeta, CacheMemory, LatentCache
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -31,3 +31,12 @@ def test_every_pool_starts_16_byte_aligned_and_none_overlaps(kv_cache_dtype, slo
     assert all(p.data_ptr() % 16 == 0 for p in pools)
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in pools)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_a_span_past_its_sequences_blocks_is_refused():
+    """A step's tokens at positions its sequence holds no block for would take block 0's
+    slots (the table's padding): another sequence's tokens, a cached prefix. Refused as
+    the bookkeeping fault it is."""
+    with pytest.raises(RuntimeError, match="reach past the 2 blocks"):
+        AttentionMeta.build([(0, 3, [1]), (6, 3, [2, 3])], 4, "cpu")
+    AttentionMeta.build([(0, 3, [1]), (5, 3, [2, 3])], 4, "cpu")  # (positions 5-7: within the two)

@@ -249,7 +249,10 @@ class AttentionMeta:
         small = np.zeros(b * (width + 1), dtype=np.int32)  # context lengths, then the block table
         small[:b] = lens
         table = small[b:].reshape(b, width)
-        for row, (_, _, blocks) in zip(table, seqs):
+        for row, (start, n, blocks) in zip(table, seqs):
+            if start + n > len(blocks) * block_size:  # (its slots would be those of block 0: another's tokens)
+                raise RuntimeError(f"a step's {n} tokens from position {start} reach past the {len(blocks)} blocks"
+                                   " its sequence holds (a bookkeeping fault)")
             row[: len(blocks)] = blocks
         seq = np.repeat(np.arange(b), counts)
         positions = np.arange(offsets[-1]) - offsets[seq] + starts[seq]
