@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from engine_steps import run_to_end
+from engine_steps import mixed_requests, run_to_end
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
@@ -318,35 +318,17 @@ def test_a_mixed_workload_gives_what_steps_one_at_a_time_give():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_preemptions_and_shared_prefixes_under_load_give_what_steps_one_at_a_time_give(seed):
-    """Twelve requests whose prompts share prefixes of one another (the prefix cache finds
-    them) through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5 places, greedy
-    and seeded, some stopping on many tokens, some penalized (their token in flight counted
-    from the device), some under a grammar (drawn late): the same tokens, and every block
-    given back."""
+    """engine_steps.mixed_requests, whose prompts share prefixes of one another (the prefix
+    cache finds them), through 20 blocks of 4 tokens (preemptions), 12 tokens a step and 5
+    places: greedy and seeded, some stopping on many tokens, some penalized (their token in
+    flight counted from the device), one under a grammar (drawn late): the same tokens, and
+    every block given back."""
     cfg = LLM(BUNDLED_MODEL, dtype="float32").engine.model.cfg
     per_token = bytes_per_token(cfg, cfg.num_layers, torch.float32)
     engine = engine_with(kv_cache_memory=20 * 4 * per_token, block_size=4, max_num_batched_tokens=12, max_num_seqs=5)
-    base = [random.Random(seed).randrange(5, 200) for _ in range(24)]
 
-    def make() -> list[Sequence]:
-        gen = random.Random(seed)
-        seqs = []
-        for i in range(12):
-            prompt = base[: gen.randrange(0, 24)] + [gen.randrange(5, 200) for _ in range(gen.randrange(1, 16))]
-            params = {"max_tokens": gen.randrange(1, 12), "ignore_eos": True}
-            if i % 4 == 1:
-                params |= {"temperature": 0.8, "seed": i}
-            if i % 3 == 0:
-                params |= {"stop_token_ids": list(range(3, 1000, 7))}
-            if i % 5 == 2:
-                params |= {"frequency_penalty": 1.5, "repetition_penalty": 1.5}
-            if i % 6 == 4:  # (drawn late)
-                params |= {"grammar": regex_grammar("[a-z ]+")}
-            seqs.append(Sequence(prompt, SamplingParams(**params)))
-        return seqs
-
-    alone = run(engine, make(), pipelined=False)
-    ahead = run(engine, make(), pipelined=True)
+    alone = run(engine, mixed_requests(seed), pipelined=False)
+    ahead = run(engine, mixed_requests(seed), pipelined=True)
     for a, b in zip(alone.values(), ahead.values()):
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
     assert not engine.has_work() and engine.blocks.used == 0

@@ -72,7 +72,7 @@ def test_a_request_resumed_on_a_drafting_engine_draws_what_it_would_have_drawn(l
     drafting = LLM(BUNDLED_MODEL, dtype="float32", engine=replace(llm.engine.config, speculative_config=spec)).engine
     after = resumed_after(drafting, params, before, 9)
     assert before.token_ids[:9] + after.token_ids == before.token_ids
-    assert drafting.stats().spec_draft_tokens > 0 or case == "seeded"
+    assert (drafting.stats().spec_draft_tokens > 0) == (case == "greedy")  # (the seeded one drafts nothing)
 
 
 def test_its_text_reads_on_where_it_stopped(llm):
