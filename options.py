@@ -115,8 +115,9 @@ class EngineOptions:
         True, "Launch each step (decode, prompt or mixed) on the GPU before the previous step's tokens reach the host,"
         " so that the host's work between steps overlaps the GPU's; a request ended by a stop token or string costs"
         " one step computed for nothing; draws that read the output on the host (grammars, logits processors) are made"
-        " once the step before has landed, while the GPU computes the step; speculative decoding runs one step at a"
-        " time (no effect on a CPU).", flag="--async-scheduling/--no-async-scheduling")
+        " once the step before has landed, while the GPU computes the step; with speculative decoding, steps whose"
+        " rows all fit the CUDA graphs and whose drafts nothing reads on the host (no grammar, no logits processor)"
+        " (no effect on a CPU).", flag="--async-scheduling/--no-async-scheduling")
     logits_processors: tuple[str, ...] = option(
         (), "A logits processor applied to every request: module:Class, or module:Class={json args} (repeatable;"
         " see worker/engine/logits_processors.py).")

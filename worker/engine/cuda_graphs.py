@@ -226,29 +226,45 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[size] = graph
 
-    def replay(self, batch: list[tuple], scratch_block: int,
-               tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, batch: list[tuple], scratch_block: int, tokens: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [rows, vocab] of the token after each row, hidden states [rows, D])
         for (sequence, start, n) spans that fit, a row per token fed in order; valid until
         the next replay (the graphs share their memory). `tokens`: the batch's input
-        tokens on the device, when the host does not have them yet."""
+        tokens on the device, when the host does not have them yet; `shift`: replay_rows'."""
         fed = [(t, start + j, seq.blocks) for seq, start, n in batch
                for j, t in enumerate([0] * n if tokens is not None else seq.tokens(start, start + n))]
-        return self.replay_rows(fed, scratch_block, tokens)
+        return self.replay_rows(fed, scratch_block, tokens, shift=shift)
 
     def replay_rows(self, rows: list[tuple[int, int, list[int]]], scratch_block: int, tokens: torch.Tensor | None = None,
-                    hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    hidden: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As replay, for rows of (token, position, blocks); `tokens` and (mtp) `hidden`:
-        the rows' inputs on the device, in place of the host's tokens."""
+        the rows' inputs on the device, in place of the host's tokens; `shift`: how far each
+        row's position lies past the host's, known on the device only (shift_rows)."""
         size = min(s for s in self.graphs if s >= len(rows))
         self._fill(rows, size, scratch_block)
         if tokens is not None:
             self.ids[0, : len(rows)].copy_(tokens)
         if hidden is not None:
             self.hidden_in[: len(rows)].copy_(hidden)
+        if shift is not None:
+            self.shift_rows(shift)
         self.graphs[size].replay()
         logprobs, states = self.outputs[size]
         return logprobs[: len(rows)], states[: len(rows)]
+
+
+    def shift_rows(self, shift: torch.Tensor) -> None:
+        """Move the first len(shift) rows filled on by `shift` positions each, on the device:
+        a step launched before the one in flight has landed knows its rows' positions up to
+        the drafts that step keeps (drafts_ahead.py). Their context lengths follow, and
+        their cache slots are read again from the block tables, which reach that far."""
+        n, bs = len(shift), self.block_size
+        positions = self.ids[1, :n] + shift
+        blocks = self.table[:n].gather(1, (positions // bs)[:, None])
+        self.ids[1, :n] = positions
+        self.ids[2, :n] = blocks[:, 0].long() * bs + positions % bs
+        self.ids[3, :n] = positions + 1
 
 
 def fed_rows(batch: list[tuple]) -> int:

@@ -29,7 +29,8 @@ from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
-from preload.worker.engine.pipeline import StepPipeline, spans_of
+from preload.worker.engine.flight import spans_of
+from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
 from preload.worker.engine.scheduler import Scheduler
@@ -295,12 +296,14 @@ class Engine:
         return outputs
 
     def forward(self, spans: list[tuple[Sequence, int, int]], rows: list[int],
-                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                tokens: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The log-probs at `rows` of a batch of (sequence, start, n) spans, and the hidden
         states of every token fed, in order. A graph replays only steps whose rows are all
         wanted (decode and verify spans: cuda_graphs.py); what it returns is valid until
         its next replay. `tokens`: the batch's inputs already on the device (a step
-        launched ahead; drafts the drafter left there, speculative.fed_tokens)."""
+        launched ahead; drafts the drafter left there, speculative.fed_tokens). `shift`:
+        each row's position past its span's, known on the device only (a drafted step
+        launched ahead: drafts_ahead.py; graphs only)."""
         if self.blocks.ledger is not None:  # (the keys and erasures since the last forward, before it)
             self.blocks.ledger.flush()
         if tokens is None and any(seq.draft_at is not None for seq, _, _ in spans):
@@ -309,7 +312,9 @@ class Engine:
             # A lazy start's bucket, at its first use: captured now, so that a busy engine
             # (never idle) does not pad its batches to the largest bucket for good.
             self._capture([self.graphs.bucket(fed_rows(spans))])
-            return self.graphs.replay(spans, self.scratch_block, tokens)
+            return self.graphs.replay(spans, self.scratch_block, tokens, shift)
+        if shift is not None:
+            raise RuntimeError("a drafted step launched ahead does not fit the graphs (a bookkeeping fault)")
         dev = self.device
         if tokens is None:
             tokens = on_device([t for seq, start, n in spans for t in seq.tokens(start, start + n)], dev)

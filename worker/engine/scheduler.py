@@ -90,17 +90,21 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq in skip:
                 continue  # preempted earlier in this loop, or done
             n = self._chunk(seq, budget, long_cap)
-            if seq.drafts and not self.blocks.can_grow(seq, seq.computed + n):
+            # (a drafted step in flight may keep all its drafts: this step's rows then start past them)
+            reach = seq.computed + seq.unsure
+            if seq.drafts and not self.blocks.can_grow(seq, reach + n):
                 seq.keep_drafts(0)  # no room to verify them: decode one token rather than preempt anyone
                 n = self._chunk(seq, budget, long_cap)
-            while not self.blocks.can_grow(seq, seq.computed + n) and seq.status is Status.RUNNING:
+            while not self.blocks.can_grow(seq, reach + n) and seq.status is Status.RUNNING:
                 self._preempt(self.running[-1])
             if seq.status is Status.RUNNING:
-                self.blocks.grow(seq, seq.computed + n)
+                self.blocks.grow(seq, reach + n)
                 batch.append((seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(batch) < active:
             seq = self.waiting[0]
+            if seq.unsure:  # (preempted while a drafted step flies: how many tokens it has is not known yet)
+                break
             hit = self.blocks.match_prefix(seq)  # its prompt's cached blocks, shared, count as computed
             n = self._chunk(seq, budget, long_cap)
             if not self.blocks.can_grow(seq, seq.computed + n):

@@ -58,6 +58,9 @@ class Sequence:
     # Drafts still on the device (speculative.Drafter._chain): the tensor they lie in and
     # the index of each; `drafts` holds placeholders until they are judged or read.
     draft_at: tuple[torch.Tensor, list[int]] | None = None
+    # Drafts verified by a step launched ahead and not landed (drafts_ahead.py): each may be
+    # kept, so up to this many tokens past `computed` may be in the cache already.
+    unsure: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)

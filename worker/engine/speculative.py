@@ -121,14 +121,27 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     and after k kept drafts the next token is drawn from p."""
     dev, ks = rows.device, [len(seq.drafts) for seq in seqs]
     firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
-    before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
-    chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
     left = any(seq.draft_at is not None for seq in seqs)  # (drafts on the device: they come back with the copy)
-    if all(seq.params.greedy for seq in seqs):  # (the argmax alone to the host: fewer launches than below)
+    if all(seq.params.greedy for seq in seqs):  # (the argmax alone to the host: fewer launches than judged_on_device)
+        chosen = rows.argmax(-1)
         best = torch.cat([chosen, drafts_on_device(seqs, dev)]).tolist() if left else chosen.tolist()
         resolve(seqs, best[len(chosen):])
         ns = [next((j for j, d in enumerate(seq.drafts) if best[f + j] != d), k) for seq, f, k in zip(seqs, firsts, ks)]
         return [seq.drafts[:n] + [best[f + n]] for seq, f, n in zip(seqs, firsts, ns)]
+    n, last, d = judged_on_device(rows, seqs)
+    got = torch.cat([n, last] + ([d] if left else [])).tolist()  # (the one copy)
+    n_kept, last = got[: len(seqs)], got[len(seqs) : 2 * len(seqs)]
+    resolve(seqs, got[2 * len(seqs) :])
+    return [seq.drafts[:m] + [t] for seq, m, t in zip(seqs, n_kept, last)]
+
+
+def judged_on_device(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`judge`'s work left on the device: for each sequence the drafts it keeps and the token
+    after them ([S] each), and every draft in order ([sum k]), with no wait for the GPU."""
+    dev, ks = rows.device, [len(seq.drafts) for seq in seqs]
+    firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
+    before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
+    chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
     at = on_device([f + j for f, k in zip(firsts, ks) for j in range(k)], dev, torch.long)  # the rows judging a draft
     d = drafts_on_device(seqs, dev)
     kept = chosen[at] == d
@@ -152,10 +165,7 @@ def judge(rows: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
     flags[on_device([i for i, k in enumerate(ks) for _ in range(k)], dev, torch.long),
           on_device([j for k in ks for j in range(k)], dev, torch.long)] = kept.long()
     n = flags.cumprod(-1).sum(-1)  # the drafts kept: those before the first refused
-    got = torch.cat([n, chosen[on_device(firsts, dev, torch.long) + n]] + ([d] if left else [])).tolist()  # (the one copy)
-    n_kept, last = got[: len(seqs)], got[len(seqs) : 2 * len(seqs)]
-    resolve(seqs, got[2 * len(seqs) :])
-    return [seq.drafts[:m] + [t] for seq, m, t in zip(seqs, n_kept, last)]
+    return n, chosen[on_device(firsts, dev, torch.long) + n], d
 
 
 def judged_together(verifying: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> dict[int, list[int]]:
@@ -226,6 +236,30 @@ def resolve(seqs: list[Sequence], values: list[int]) -> None:
         i += k
 
 
+@dataclass
+class Reach:
+    """Where a drafter's chained steps go, for each of the sequences drafting: draft step j
+    (0: the second draft) at `bases[i] + j + 1` as the host knows it, past that by
+    `offsets[i]` on the device (None: 0), which is at most `slack[i]`. A step run from the
+    host knows every position (`known`); one launched before the step in flight has landed
+    knows them up to the drafts that step keeps (drafts_ahead.py)."""
+
+    bases: list[int]
+    slack: list[int]
+    offsets: torch.Tensor | None = None
+
+    @classmethod
+    def known(cls, seqs: list[Sequence], shift: int) -> Reach:
+        """Each sequence's own: its computed tokens, less `shift` (the MTP layer's 1)."""
+        return cls([seq.computed - shift for seq in seqs], [0] * len(seqs))
+
+    def of(self, picked: list[int]) -> Reach:
+        offsets = self.offsets
+        if offsets is not None:
+            offsets = offsets[on_device(picked, offsets.device, torch.long)]
+        return Reach([self.bases[i] for i in picked], [self.slack[i] for i in picked], offsets)
+
+
 class Drafter:
     """Runs after each step: the drafter catches up on the positions the target just
     computed for the speculating sequences, and drafts k tokens for those that decode
@@ -248,17 +282,21 @@ class Drafter:
         self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
         self.accepted = 0
 
-    def _run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]]):
+    def _run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]],
+             shift: torch.Tensor | None = None):
         """(hidden states to chain on, or None; logits, or log-probs from a graph: the same
         draws) of the drafter over the spans (start, tokens, blocks) of a flat batch; the
-        tokens from the host, or already on the device (chained drafts)."""
+        tokens from the host, or already on the device (chained drafts). `shift`: each row's
+        position past its span's, known on the device only (a step launched ahead: graphs only)."""
         g, ready = self.graphs, isinstance(tokens, torch.Tensor)
         if g is not None and g.holds(len(tokens), [blocks for *_, blocks in spans]):
             g.ensure(self.cache, self.scratch_block, [g.bucket(len(tokens))])  # (a lazy start's bucket: at first use)
             rows = [(start + j, blocks) for start, n, blocks in spans for j in range(n)]
             logprobs, x = g.replay_rows([(0 if ready else t, pos, blocks) for t, (pos, blocks) in zip(tokens, rows)],
-                                        self.scratch_block, tokens=tokens if ready else None, hidden=hidden)
+                                        self.scratch_block, tokens=tokens if ready else None, hidden=hidden, shift=shift)
             return (x if self.mtp else None), logprobs
+        if shift is not None:
+            raise RuntimeError("a drafter step launched ahead does not fit its graphs (a bookkeeping fault)")
         meta = AttentionMeta.build(spans, self.blocks.block_size, self.device)
         ids = tokens if ready else on_device(tokens, self.device, torch.long)
         if self.mtp:
@@ -294,7 +332,7 @@ class Drafter:
         last = ends[on_device(picks, self.device, torch.long)]
         x, logits = (x[last] if x is not None else None), logits[last]
         if self.shape is None:
-            self._chain(seqs, x, logits, shift)
+            self._chain(seqs, x, logits, Reach.known(seqs, shift))
         else:
             self._draw(seqs, x, logits, shift)
         self.drafted += sum(len(catch[i][0].drafts) for i in picks)
@@ -306,11 +344,11 @@ class Drafter:
         acceptance test)."""
         return sample_rows(logits, [seq.params for seq in seqs], [None] * len(seqs))
 
-    def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, shift: int) -> None:
+    def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, reach: Reach) -> None:
         """Drafts chained on the device, when no processor shapes them: each draft is the
         next draft step's input where it lies, the host only growing the blocks; the drafts
         stay there for the verify step, with no wait for them (a sampled one's q too, for
-        the acceptance test)."""
+        the acceptance test). `reach`: where each draft step of `seqs` is (`Reach`)."""
         fed = [list(range(len(seqs)))]  # fed[j]: the sequences draft j + 1 is theirs
         drafts, qs = [], []  # per draft: the tokens of fed[j]; the q rows of its sampled ones
         while True:
@@ -319,7 +357,7 @@ class Drafter:
             qs.append(q)
             if len(drafts) == self.k:
                 break
-            step = self._next([seqs[i] for i in fed[-1]], len(drafts) - 1, shift, x, token)
+            step = self._next([seqs[i] for i in fed[-1]], len(drafts) - 1, x, token, reach.of(fed[-1]))
             if step is None:
                 break
             room, x, logits = step
@@ -352,25 +390,27 @@ class Drafter:
             self._add(seqs, drafts, q)
             if j == self.k - 1:
                 break
-            step = self._next(seqs, j, shift, x, drafts)
+            step = self._next(seqs, j, x, drafts, Reach.known(seqs, shift))
             if step is None:
                 break
             room, x, logits = step
             seqs = [seqs[n] for n in room]
 
-    def _next(self, seqs: list[Sequence], j: int, shift: int, x: torch.Tensor | None, tokens: list[int] | torch.Tensor):
-        """The drafter on draft j of `seqs` (`tokens`, on the host or the device), at its
-        position (the MTP layer sits one position behind the token it predicts from, and
-        chains on its own output, `x`), for those with a cache slot there: (their indices in
-        `seqs`, hidden states, logits), or None if none has one."""
-        at = [seq.computed + j + 1 - shift for seq in seqs]
-        room = [n for n, (seq, pos) in enumerate(zip(seqs, at)) if self._room(seq, pos)]
+    def _next(self, seqs: list[Sequence], j: int, x: torch.Tensor | None, tokens: list[int] | torch.Tensor,
+              reach: Reach):
+        """The drafter on draft j of `seqs` (`tokens`, on the host or the device), where
+        `reach` puts it (the MTP layer sits one position behind the token it predicts from,
+        and chains on its own output, `x`), for those with a cache slot there: (their indices
+        in `seqs`, hidden states, logits), or None if none has one."""
+        at = [base + j + 1 for base in reach.bases]
+        room = [n for n, (seq, pos, slack) in enumerate(zip(seqs, at, reach.slack)) if self._room(seq, pos + slack)]
         if not room:
             return None
         keep = on_device(room, self.device, torch.long)
         x = x[keep] if x is not None else None
         tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
-        return (room, *self._run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room]))
+        shift = reach.offsets[keep] if reach.offsets is not None else None
+        return (room, *self._run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room], shift))
 
     @staticmethod
     def _add(seqs: list[Sequence], tokens: list[int], q: torch.Tensor | None) -> None:

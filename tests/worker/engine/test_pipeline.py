@@ -270,18 +270,18 @@ def test_a_draw_that_fails_in_a_step_launched_ahead_ends_that_request_alone(engi
     """The victim's draw fails in every batch it is in, and alone: it ends with the stage
     named at the landing of that step; the step launched meanwhile computed its row for
     nothing; the request beside it gets what it gets alone."""
-    from preload.worker.engine import pipeline as pipeline_module
+    from preload.worker.engine import flight as flight_module
 
     [alone] = run(engine, [requests()[2]], pipelined=False).values()
     victim, bystander = requests()[0], requests()[2]
-    real = pipeline_module.sample_batch
+    real = flight_module.sample_batch
 
     def sample_batch(logits, params, generators, generated, pending=None):
         if any(p is victim.params for p in params):
             raise RuntimeError("boom")
         return real(logits, params, generators, generated, pending)
 
-    monkeypatch.setattr(pipeline_module, "sample_batch", sample_batch)
+    monkeypatch.setattr(flight_module, "sample_batch", sample_batch)
     out = run(engine, [victim, bystander], pipelined=True)
     assert out[victim.id].error == "sampling failed for this request: RuntimeError: boom"
     assert out[victim.id].token_ids == [] and victim.finished

@@ -1,0 +1,267 @@
+"""Drafted steps launched ahead (--async-scheduling with --speculative-config): a verify step
+and the drafter's steps after it go to the GPU before the step in flight has landed, as
+plain decode steps do (pipeline.py), so that the host's work between steps (the landing,
+the schedule, the next step's buffers) overlaps the GPU's.
+
+What a drafted step computes depends on the step before it through one number per
+sequence known on the device only: how many of its drafts that step keeps, a. Its rows lie
+at the host's positions moved on by a (cuda_graphs.DecodeGraphs.shift_rows: positions,
+context lengths and cache slots set again on the device from the block tables, which the
+scheduler grows for every draft that may be kept: Sequence.unsure); its inputs are the
+token that step judged last and the drafts its drafter left on the device. So the host
+books a drafted step as though it kept no draft: each sequence's `computed` moved on by
+its pending token, one placeholder in its output, its drafts counted `unsure`; the landing
+puts the kept drafts in before the placeholder and the judged token in it, and moves
+`computed` on by a.
+
+The drafter's catch-up has a fixed shape: the MTP layer reads the verify step's k + 1 rows
+(at position i the token at i + 1: the next draft, or at the last kept position the
+judged token, scattered in on the device); a draft model reads the k + 1 tokens fed and,
+if it drafts next, one row more for the judged token (scattered into the row after the
+kept drafts). Rows past the kept ones write the drafter's cache at positions past those
+kept, as rejected drafts write the target's: harmless, since a position is read only by
+rows at or after it, and each of those steps writes the position first. Its chained drafts
+then lie past the host's positions by the drafts kept in flight and in this step
+(speculative.Reach).
+
+What still runs from the host, one step at a time: steps with prompt tokens, grammars
+and the operator's logits processors (they read the drafts on the host), prompts being
+scored, batches or contexts past the graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import torch
+
+from preload.worker.engine.faults import SequenceFault, stage
+from preload.worker.engine.flight import PLACEHOLDER, Flight, draw, drawn_before, spans_of
+from preload.worker.engine.host_logprobs import pack, unpack
+from preload.worker.engine.output import Output
+from preload.worker.engine.sequence import Sequence, Status
+from preload.worker.engine.speculative import Drafter, Reach, gathered, judged_on_device, speculates
+from preload.worker.model.host_values import on_device
+
+if TYPE_CHECKING:  # (the engine makes its pipeline)
+    from preload.worker.engine.engine import Engine
+
+
+def launches_drafted(e: Engine, batch: list[tuple[Sequence, int]]) -> bool:
+    """Whether `batch`, on an engine with a drafter, may be launched before the step in
+    flight lands: decode and verify rows alone, nothing read on the host mid-step, and
+    every row, the drafter's too, in the graphs however many drafts are kept."""
+    d = e.drafter
+    if not batch or e.processors or e.graphs is None or d.graphs is None:
+        return False
+    if any(n != 1 + len(seq.drafts) or seq.pending != 1 or seq.matcher is not None or seq.wants_prompt_logprobs
+           for seq, n in batch):
+        return False
+    rows, tables = sum(n for _, n in batch), [seq.blocks for seq, _ in batch]
+    farthest = max(seq.computed + seq.unsure + n for seq, n in batch) + d.k + 1  # (a chained draft's slot, at most)
+    width = min(e.graphs.width, d.graphs.width) * e.blocks.block_size
+    return e.graphs.holds(rows, tables) and d.graphs.holds(rows + len(batch), tables) and farthest <= width
+
+
+def launch_drafted(e: Engine, batch: list[tuple[Sequence, int]], before: Flight | None) -> Flight:
+    """Compute `batch` (its rows moved on by what `before` keeps, its inputs where `before`
+    left them), judge its drafts and draw the others' tokens on the device, run the drafter
+    for the next step's drafts, queue what the host needs in one copy, and book the step."""
+    spans = spans_of(batch)
+    seqs, ks = [seq for seq, _, _ in spans], [n - 1 for _, _, n in spans]
+    dev, rows = e.device, sum(n for _, _, n in spans)
+    offsets = kept_before(seqs, before, dev)  # how far each sequence lies past the host's positions
+    row_shift = offsets[on_device([i for i, (_, _, n) in enumerate(spans) for _ in range(n)], dev, torch.long)]
+    fed = inputs_ahead(spans, before, dev)
+    logprobs, hidden = e.forward(spans, list(range(rows)), fed, shift=row_shift)
+    firsts = list(accumulate((n for _, _, n in spans[:-1]), initial=0))
+    flight = Flight(spans, seqs, marks=[len(seq.output) for seq in seqs], ks=ks)
+    flight.tokens = torch.zeros(len(seqs), dtype=torch.long, device=dev)  # each one's token fed next
+    flight.kept = torch.zeros(len(seqs), dtype=torch.long, device=dev)
+    parts = []
+    plain = [i for i, k in enumerate(ks) if not k]
+    if plain:
+        own, at = [seqs[i] for i in plain], on_device(plain, dev, torch.long)
+        picked = logprobs[on_device([firsts[i] for i in plain], dev, torch.long)]
+        tokens, flight.faults = draw(e, own, picked, [seq.output for seq in own], drawn_before(own, before))
+        packed, flight.n_top = pack(own, picked, tokens)
+        flight.tokens.index_copy_(0, at, tokens)
+        parts.append(packed.flatten())
+    judged = [i for i, k in enumerate(ks) if k]
+    if judged:
+        parts += judge_ahead(flight, judged, logprobs, firsts)
+    slack = [seq.unsure for seq in seqs]  # (the most `offsets` can be)
+    for seq, start, n in spans:  # booked as though no draft were kept: the landing adds those that are
+        seq.computed, seq.unsure = start + 1, seq.unsure + n - 1
+        seq.output.append(PLACEHOLDER)
+        seq.keep_drafts(0)
+    catch_up(e.drafter, spans, fed, hidden, flight, offsets, slack)
+    packed = torch.cat(parts)
+    if packed.device.type != "cuda":
+        flight.host = packed
+    else:
+        flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        flight.host.copy_(packed, non_blocking=True)
+        flight.copied = torch.cuda.Event()
+        flight.copied.record()
+    return flight
+
+
+def kept_before(seqs: list[Sequence], before: Flight | None, dev: torch.device) -> torch.Tensor:
+    """The drafts `before` keeps of each of `seqs`, on the device (0 where it has none)."""
+    if before is None or before.kept is None:
+        return torch.zeros(len(seqs), dtype=torch.long, device=dev)
+    rows = {id(seq): row for row, seq in enumerate(before.seqs)}
+    picked = [rows.get(id(seq), len(before.seqs)) for seq in seqs]  # (past the end: a 0)
+    return torch.cat([before.kept, before.kept.new_zeros(1)])[on_device(picked, dev, torch.long)]
+
+
+def inputs_ahead(spans: list[tuple[Sequence, int, int]], before: Flight | None, dev: torch.device) -> torch.Tensor:
+    """A drafted step's inputs on the device: each sequence's pending token (the one `before`
+    drew or judged last, where it is in `before`; else the host's) and its drafts (where the
+    drafter left them)."""
+    rows = {id(seq): row for row, seq in enumerate(before.seqs)} if before is not None else {}
+    host, into, src, drafts, ranges, at = [], [], [], [], [], 0
+    for seq, start, n in spans:
+        row = rows.get(id(seq))
+        if row is None:
+            host.append(seq.tokens(start, start + 1)[0])
+        else:
+            host.append(0)
+            into.append(at)
+            src.append(row)
+        host += [0] * (n - 1)
+        if n > 1:
+            drafts += range(at + 1, at + n)
+            ranges.append((seq, 0, n - 1))
+        at += n
+    fed = on_device(host, dev, torch.long)
+    if into:
+        fed.index_copy_(0, on_device(into, dev, torch.long), before.tokens[on_device(src, dev, torch.long)])
+    if drafts:
+        fed.index_copy_(0, on_device(drafts, dev, torch.long), gathered(ranges, dev))
+    return fed
+
+
+def judge_ahead(flight: Flight, judged: list[int], logprobs: torch.Tensor, firsts: list[int]) -> list[torch.Tensor]:
+    """Judge the drafts of `flight`'s sequences at `judged` on the device: each one's kept
+    count and last token into the flight; what the host needs of them (the counts, the last
+    tokens, every draft) returned for the copy. If judging them together fails, each is
+    judged alone, so that a failure is the one sequence's (it ends at the landing)."""
+    dev, seqs, ks = logprobs.device, flight.seqs, flight.ks
+    try:
+        with stage("speculative decoding"):
+            results = [judged_on_device(logprobs[rows_of(judged, ks, firsts, dev)], [seqs[i] for i in judged])]
+    except SequenceFault:
+        results = []
+        for i in judged:
+            try:
+                with stage("speculative decoding"):
+                    results.append(judged_on_device(logprobs[rows_of([i], ks, firsts, dev)], [seqs[i]]))
+            except SequenceFault as fault:
+                flight.faults[seqs[i]] = fault
+                results.append(tuple(torch.zeros(size, dtype=torch.long, device=dev) for size in (1, 1, ks[i])))
+    n, last, d = (torch.cat(parts) for parts in zip(*results))
+    order = on_device(judged, dev, torch.long)
+    flight.kept.index_copy_(0, order, n)
+    flight.tokens.index_copy_(0, order, last)
+    return [torch.cat([n, last, d]).double()]
+
+
+def rows_of(picked: list[int], ks: list[int], firsts: list[int], dev: torch.device) -> torch.Tensor:
+    """The rows (pending token and drafts) of the spans at `picked`, in order."""
+    return on_device([firsts[i] + j for i in picked for j in range(ks[i] + 1)], dev, torch.long)
+
+
+def catch_up(d: Drafter, spans: list[tuple[Sequence, int, int]], fed: torch.Tensor, hidden: torch.Tensor,
+             flight: Flight, offsets: torch.Tensor, slack: list[int]) -> None:
+    """The drafter after a drafted step launched ahead: it catches up on every sequence's
+    rows (a fixed shape, the step's kept drafts scattered in on the device) and drafts for
+    those that speculate, chained where the step's kept drafts put them. `slack`: how far
+    past the host's positions the step's rows may lie."""
+    dev, mtp = d.device, d.mtp
+    nexts, runs = [], []  # the spans drafting next; (start, rows, blocks) the drafter reads
+    for i, (seq, start, n) in enumerate(spans):
+        # (a draft model reads the judged token too, one row past the drafts, if it drafts next)
+        drafts = speculates(seq) and (mtp or d._room(seq, start + n + slack[i]))
+        if drafts:
+            nexts.append(i)
+        runs.append((start, n + (drafts and not mtp), seq.blocks))
+    firsts = on_device(list(accumulate((r for _, r, _ in runs[:-1]), initial=0)), dev, torch.long)
+    if mtp:  # (at position i, the token at i + 1: the next one fed, or after the last kept, the judged one)
+        tokens = fed.roll(-1).index_copy_(0, firsts + flight.kept, flight.tokens)
+        at = firsts + flight.kept
+    else:
+        into = [first + j for first, (_, _, n) in zip(accumulate((r for _, r, _ in runs[:-1]), initial=0), spans)
+                for j in range(n)]
+        tokens = torch.zeros(sum(r for _, r, _ in runs), dtype=torch.long, device=dev)
+        tokens.index_copy_(0, on_device(into, dev, torch.long), fed)
+        at = firsts + flight.kept + 1
+        if nexts:
+            picked = on_device(nexts, dev, torch.long)
+            tokens.index_copy_(0, at[picked], flight.tokens[picked])
+    shift = offsets[on_device([i for i, (_, r, _) in enumerate(runs) for _ in range(r)], dev, torch.long)]
+    x, logits = d._run(hidden if mtp else None, tokens, runs, shift)
+    if not nexts:
+        return
+    picked = on_device(nexts, dev, torch.long)
+    rows = at[picked]
+    seqs = [spans[i][0] for i in nexts]
+    reach = Reach([spans[i][1] + 1 - mtp for i in nexts], [slack[i] + flight.ks[i] for i in nexts],
+                  (offsets + flight.kept)[picked])
+    d._chain(seqs, x[rows] if x is not None else None, logits[rows], reach)
+    d.drafted += sum(len(seq.drafts) for seq in seqs)
+
+
+def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output]:
+    """Take `flight`'s judged and drawn tokens on the host: kept drafts put in before each
+    placeholder, the last token in it, `computed` moved on by the drafts kept (and the marks
+    of `later`, launched meanwhile, with it); key the blocks it filled."""
+    if flight.copied is not None:
+        waited = time.perf_counter()
+        flight.copied.synchronize()
+        e.clock.gpu_wait += time.perf_counter() - waited
+    values, ks, seqs = flight.host.tolist(), flight.ks, flight.seqs
+    plain = [i for i, k in enumerate(ks) if not k]
+    judged = [i for i, k in enumerate(ks) if k]
+    width = 2 + 2 * flight.n_top
+    got = dict(zip(plain, unpack([seqs[i] for i in plain],
+                                 [values[r * width : (r + 1) * width] for r in range(len(plain))], flight.n_top)))
+    at, m = len(plain) * width, len(judged)
+    counts, lasts, drafts = values[at : at + m], values[at + m : at + 2 * m], values[at + 2 * m :]
+    for i, a, last in zip(judged, counts, lasts):
+        got[i] = ([int(t) for t in drafts[: int(a)]] + [int(last)], None, None)
+        drafts = drafts[ks[i] :]
+    marks = {id(seq): row for row, seq in enumerate(later.seqs)} if later is not None else {}
+    outputs = []
+    for i, (seq, start, _) in enumerate(flight.spans):
+        seq.unsure -= ks[i]
+        if seq.finished:
+            continue
+        token, logprob, top = got[i]
+        emitted = token if isinstance(token, list) else [token]
+        kept, mark = len(emitted) - 1, flight.marks[i]
+        seq.output[mark:mark] = emitted[:-1]  # (before its placeholder, and any a later step booked)
+        if kept and id(seq) in marks:
+            later.marks[marks[id(seq)]] += kept
+        # (else preempted since: it computes all again; or, having had no draft in flight,
+        # admitted again in the same schedule, with fewer tokens computed)
+        if seq.status is Status.RUNNING and seq.computed >= start + 1:
+            seq.computed += kept
+            e.blocks.cache_full_blocks(seq, upto=start + 1 + kept)
+        if ks[i]:
+            e.drafter.accepted += kept
+        outs = []
+        try:
+            if seq in flight.faults:
+                raise flight.faults[seq]
+            for j, t in enumerate(emitted):
+                outs.append(e.took(seq, mark + j, t, logprob, top))
+                if seq.finished:
+                    break
+        except SequenceFault as fault:
+            outs.append(e.failed(seq, fault))
+        outputs.append(Output.merge(outs))
+    return outputs
