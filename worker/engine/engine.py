@@ -29,7 +29,7 @@ from preload.worker.engine.host_logprobs import drawn_on_host, score_prompt
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.logits_processors import Batch, ProcessorContext, apply_processors, load_processors
 from preload.worker.engine.output import Output
-from preload.worker.engine.flight import spans_of
+from preload.worker.engine.flight import decoding, spans_of
 from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampler import sample, sample_batch, steer
 from preload.worker.engine.sampling_params import RequestError
@@ -254,7 +254,7 @@ class Engine:
         """One scheduled batch of (sequence, tokens to compute), start to finish."""
         if not batch:
             return []
-        self.clock.kind = "decode" if all(n == 1 for _, n in batch) else "prompt"
+        self.clock.kind = "decode" if decoding(batch) else "prompt"
         spans = spans_of(batch)
         # Logits only where needed: each sequence's last row when its pending tokens are
         # all in, and every row of a prompt that is being scored.

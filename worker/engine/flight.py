@@ -48,6 +48,12 @@ def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int
     return sorted(((seq, seq.computed, n) for seq, n in batch), key=lambda span: span[2] != 1)
 
 
+def decoding(batch: list[tuple[Sequence, int]]) -> bool:
+    """Whether a scheduled batch is a decode step: each sequence's one pending token, and
+    its drafts if it has any (a verify step is a decode step too, for the metrics)."""
+    return all(n == 1 + len(seq.drafts) for seq, n in batch)
+
+
 def drawn_before(seqs: list[Sequence], before: Flight | None) -> torch.Tensor | None:
     """Each of `seqs`' token drawn in `before` and not landed (its output's placeholder), on
     the device, for the penalties (sampler.steer); None where no draw reads its output."""

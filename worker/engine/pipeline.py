@@ -35,7 +35,7 @@ import torch
 
 from preload.worker.engine.drafts_ahead import land_drafted, launch_drafted, launches_drafted
 from preload.worker.engine.faults import SequenceFault
-from preload.worker.engine.flight import PLACEHOLDER, Flight, draw, drawn_before, drawn_last, spans_of
+from preload.worker.engine.flight import PLACEHOLDER, Flight, decoding, draw, drawn_before, drawn_last, spans_of
 from preload.worker.engine.host_logprobs import pack, unpack
 from preload.worker.model.host_values import on_device
 from preload.worker.engine.output import Output
@@ -80,10 +80,11 @@ class StepPipeline:
             batch = [(seq, n) for seq, n in batch if not seq.finished]  # (ended by the landing that scheduled it)
             if not launches_ahead(e, batch):
                 return e.run(batch)
-            e.clock.kind = "decode" if all(n == 1 for _, n in batch) else "prompt"
+            e.clock.kind = "decode" if decoding(batch) else "prompt"
             flight = self._launch(batch, None)
         else:
-            e.clock.kind = "decode_ahead" if all(n == 1 for _, _, n in flight.spans) else "prompt"
+            drafted = flight.kept is not None  # (a drafted step: decode and verify rows alone)
+            e.clock.kind = "decode_ahead" if drafted or all(n == 1 for _, _, n in flight.spans) else "prompt"
         batch = e.scheduler.schedule(skip=drawn_last(flight))
         if launches_ahead(e, batch):
             self.flight = self._launch(batch, flight)
