@@ -31,7 +31,6 @@ scored, batches or contexts past the graphs.
 
 from __future__ import annotations
 
-import time
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -98,14 +97,7 @@ def launch_drafted(e: Engine, batch: list[tuple[Sequence, int]], before: Flight 
         seq.output.append(PLACEHOLDER)
         seq.keep_drafts(0)
     catch_up(e.drafter, spans, fed, hidden, flight, offsets, slack)
-    packed = torch.cat(parts)
-    if packed.device.type != "cuda":
-        flight.host = packed
-    else:
-        flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        flight.host.copy_(packed, non_blocking=True)
-        flight.copied = torch.cuda.Event()
-        flight.copied.record()
+    flight.send(torch.cat(parts))
     return flight
 
 
@@ -219,11 +211,7 @@ def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output
     """Take `flight`'s judged and drawn tokens on the host: kept drafts put in before each
     placeholder, the last token in it, `computed` moved on by the drafts kept (and the marks
     of `later`, launched meanwhile, with it); key the blocks it filled."""
-    if flight.copied is not None:
-        waited = time.perf_counter()
-        flight.copied.synchronize()
-        e.clock.gpu_wait += time.perf_counter() - waited
-    values, ks, seqs = flight.host.tolist(), flight.ks, flight.seqs
+    values, ks, seqs = flight.landed(e.clock), flight.ks, flight.seqs
     plain = [i for i, k in enumerate(ks) if not k]
     judged = [i for i, k in enumerate(ks) if k]
     width = 2 + 2 * flight.n_top

@@ -4,6 +4,7 @@ spans, its draws on the device, and who draws their last token in it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ import torch
 from preload.worker.engine.faults import SequenceFault, stage
 from preload.worker.engine.sampler import sample_batch, steer
 from preload.worker.engine.sequence import Sequence
+from preload.worker.engine.step_clock import StepClock
 from preload.worker.model.host_values import on_device
 
 if TYPE_CHECKING:  # (the engine makes its pipeline)
@@ -40,6 +42,25 @@ class Flight:
     # of them it keeps, on the device (the next step's rows lie that far past the host's).
     ks: list[int] = field(default_factory=list)
     kept: torch.Tensor | None = None
+
+    def send(self, packed: torch.Tensor) -> None:
+        """Queue what the host needs of the step (`packed`, on the device) to the host, in
+        one copy that nothing waits for until the landing (`landed`)."""
+        if packed.device.type != "cuda":
+            self.host = packed
+            return
+        self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self.host.copy_(packed, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def landed(self, clock: StepClock) -> list:
+        """What `send` queued, on the host, once it is there (the wait is `clock`'s gpu_wait)."""
+        if self.copied is not None:
+            waited = time.perf_counter()
+            self.copied.synchronize()
+            clock.gpu_wait += time.perf_counter() - waited
+        return self.host.tolist()
 
 
 def spans_of(batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:

@@ -28,7 +28,6 @@ it (the tests give it one).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,13 +144,7 @@ class StepPipeline:
                 for i in live:
                     seqs[i].output.append(PLACEHOLDER)
         packed, flight.n_top = pack(seqs, logprobs, flight.tokens)
-        if packed.device.type != "cuda":
-            flight.host = packed
-        else:
-            flight.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            flight.host.copy_(packed, non_blocking=True)
-            flight.copied = torch.cuda.Event()
-            flight.copied.record()
+        flight.send(packed)
 
     def _inputs(self, spans: list[tuple[Sequence, int, int]], before: Flight | None) -> torch.Tensor | None:
         """The step's input tokens on the device where some of them are `before`'s draws,
@@ -189,11 +182,7 @@ class StepPipeline:
                 e.blocks.cache_full_blocks(seq, upto=start + n)
         if not flight.seqs:
             return []
-        if flight.copied is not None:
-            waited = time.perf_counter()
-            flight.copied.synchronize()
-            e.clock.gpu_wait += time.perf_counter() - waited
-        drawn = unpack(flight.seqs, flight.host.tolist(), flight.n_top)
+        drawn = unpack(flight.seqs, flight.landed(e.clock), flight.n_top)
         outputs = []
         for seq, mark, (token, logprob, top) in zip(flight.seqs, flight.marks, drawn):
             if seq.finished:
