@@ -1,10 +1,16 @@
 """Driving an engine by hand, as the worker's engine thread does: step until its work is
-done, collecting each sequence's Outputs; and a mixed workload to drive it with."""
+done, collecting each sequence's Outputs; workloads to drive it with; the options of an
+engine that drafts."""
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
+from pathlib import Path
 
+from preload import BUNDLED_MODEL
+from preload.options import EngineOptions
 from preload.worker.engine.grammar import regex_grammar
 from preload.worker.engine.output import Output
 from preload.worker.engine.output_text import OutputText, with_text
@@ -12,6 +18,7 @@ from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 
 LOGPROBS = 10  # the index of mixed_requests' one request asking for log-probs
+DRAFT_MODEL = str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft")
 
 
 def run_to_end(engine, seqs: list[Sequence], each_step=None) -> dict[int, Output]:
@@ -57,3 +64,17 @@ def mixed_requests(seed: int) -> list[Sequence]:
             params |= {"logprobs": 2}
         seqs.append(Sequence(prompt, SamplingParams(**params)))
     return seqs
+
+
+def ending_in_turn(**params) -> list[Sequence]:
+    """Six requests of 3 to 30 prompt tokens, ending one after another (batches of 6 down to
+    1), the longest first; greedy unless `params` say otherwise."""
+    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)),
+                     SamplingParams(**({"max_tokens": 4 + 5 * i, "ignore_eos": True} | params)))
+            for i in reversed(range(6))]
+
+
+def speculating(config: EngineOptions, method: str, k: int) -> EngineOptions:
+    """`config` drafting k tokens a step with the bundled model's MTP layer or its draft model."""
+    spec = {"method": method, "num_speculative_tokens": k} | ({"model": DRAFT_MODEL} if method == "draft_model" else {})
+    return replace(config, speculative_config=json.dumps(spec))

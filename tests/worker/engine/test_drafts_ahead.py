@@ -6,14 +6,12 @@ exactly what steps one at a time give. On the CPU, with the graphs stood in for
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from draws import two_sample_p_value
-from engine_steps import LOGPROBS, mixed_requests, run_to_end
+from engine_steps import LOGPROBS, ending_in_turn, mixed_requests, run_to_end, speculating
 from graphs_on_cpu import engine_with_graphs, stand_in_for_graphs
 
 from preload import BUNDLED_MODEL, LLM
@@ -26,24 +24,11 @@ from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import Sequence
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6)
-DRAFT_MODEL = str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft")
 
 
 @pytest.fixture(scope="module")
 def llm():
     return LLM(BUNDLED_MODEL, dtype="float32", engine=BASE)
-
-
-def drafting(config: EngineOptions, method: str, k: int) -> EngineOptions:
-    spec = {"method": method, "num_speculative_tokens": k} | ({"model": DRAFT_MODEL} if method == "draft_model" else {})
-    return replace(config, speculative_config=json.dumps(spec))
-
-
-def requests(**params) -> list[Sequence]:
-    """Six greedy requests of 3 to 30 prompt tokens, ending one after another."""
-    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)),
-                     SamplingParams(**({"max_tokens": 4 + 5 * i, "ignore_eos": True} | params)))
-            for i in reversed(range(6))]
 
 
 def counting(monkeypatch) -> list[int]:
@@ -72,14 +57,14 @@ def test_drafted_steps_launched_ahead_give_the_tokens_of_steps_one_at_a_time(llm
     """Greedy requests drafting k tokens a step, batches of 6 down to 1: launched while the
     step before flies, each step's rows where the drafts that step keeps put them; the same
     tokens as steps one at a time (and as decoding without drafts), the same drafts kept."""
-    config = drafting(BASE, method, k)
+    config = speculating(BASE, method, k)
     eager = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
-    want = [o.token_ids for o in run_to_end(eager, requests()).values()]
+    want = [o.token_ids for o in run_to_end(eager, ending_in_turn()).values()]
     stand_in_for_graphs(monkeypatch)
     count = counting(monkeypatch)
     engine = engine_with_graphs(llm, config)
-    got = launched_ahead(engine, requests())
-    assert [o.token_ids for o in got] == want == [o.token_ids for o in run_to_end(llm.engine, requests()).values()]
+    got = launched_ahead(engine, ending_in_turn())
+    assert [o.token_ids for o in got] == want == [o.token_ids for o in run_to_end(llm.engine, ending_in_turn()).values()]
     s = engine.stats()
     assert count[0] >= 5 and s.decode_ahead_steps >= count[0], s
     assert engine.stats().spec_accepted_tokens == eager.stats().spec_accepted_tokens > 0
@@ -93,7 +78,7 @@ def test_a_mixed_workload_launched_ahead_gives_what_steps_one_at_a_time_give(llm
     from launched ahead to run from the host and back (prompt chunks, the grammar request),
     drafting and non-drafting rows (seeded, penalized, log-probs) launched ahead together.
     The tokens, stops and log-probs of eager steps one at a time."""
-    config = replace(drafting(BASE, method, 2), block_size=4, max_num_batched_tokens=16, max_num_seqs=5,
+    config = replace(speculating(BASE, method, 2), block_size=4, max_num_batched_tokens=16, max_num_seqs=5,
                      enable_prefix_caching=True, kv_cache_dtype=cache)
     probe = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
     config = replace(config, kv_cache_memory=20 * (config.kv_cache_memory // (probe.blocks.num_blocks + 1)))
@@ -119,7 +104,7 @@ def test_sampled_drafts_launched_ahead_keep_the_targets_distribution(llm, monkey
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
     stand_in_for_graphs(monkeypatch)
     count = counting(monkeypatch)
-    engine = engine_with_graphs(llm, drafting(replace(BASE, max_num_seqs=64), "mtp", 2))
+    engine = engine_with_graphs(llm, speculating(replace(BASE, max_num_seqs=64), "mtp", 2))
     drafted = launched_ahead(engine, [Sequence([5, 6, 7, 8], params) for _ in range(400)])
     plain = run_to_end(llm.engine, [Sequence([5, 6, 7, 8], params) for _ in range(400)]).values()
     for pos in (1, 2, 3):

@@ -7,22 +7,17 @@ MTP layer and of a draft model. On the CPU, with the graphs stood in for
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from engine_steps import LOGPROBS, mixed_requests, run_to_end
+from engine_steps import LOGPROBS, ending_in_turn, mixed_requests, run_to_end, speculating
 from graphs_on_cpu import engine_with_graphs, stand_in_for_graphs
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
 from preload.worker.engine.pipeline import StepPipeline
-from preload.worker.engine.sampling_params import SamplingParams
-from preload.worker.engine.sequence import Sequence
 
 BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6)
-DRAFT_MODEL = str(Path(BUNDLED_MODEL).parent / "tiny-v3-draft")
 BAN = 'preload.worker.engine.logits_processors:BanTokens={"token_ids": [13, 269, 290]}'
 
 
@@ -31,28 +26,14 @@ def llm():
     return LLM(BUNDLED_MODEL, dtype="float32", engine=BASE)
 
 
-def requests(**params) -> list[Sequence]:
-    """Six requests of 3 to 30 prompt tokens, ending one after another (batches of 6 down to
-    1: every bucket, most padded), the longest first (in the first blocks, where padding
-    rows written anywhere but the scratch block would land)."""
-    return [Sequence(list(range(10 + 7 * i, 13 + 12 * i)),
-                     SamplingParams(**({"max_tokens": 4 + 5 * i, "ignore_eos": True} | params)))
-            for i in reversed(range(6))]
-
-
 def outputs(engine, pipelined: bool = False, **params) -> list:
     """Each request's tokens (with `params`: its Output)."""
     engine.pipeline = StepPipeline(engine) if pipelined else None
     try:
-        got = run_to_end(engine, requests(**params)).values()
+        got = run_to_end(engine, ending_in_turn(**params)).values()
         return list(got) if params else [o.token_ids for o in got]
     finally:
         engine.pipeline = None
-
-
-def speculating(method: str, k: int) -> EngineOptions:
-    spec = {"method": method, "num_speculative_tokens": k} | ({"model": DRAFT_MODEL} if method == "draft_model" else {})
-    return replace(BASE, speculative_config=json.dumps(spec))
 
 
 @pytest.mark.parametrize("cache", ["auto", "fp8"])
@@ -79,10 +60,10 @@ def test_decode_and_prompt_steps_replayed_give_the_tokens_of_eager_steps(llm, mo
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_verify_and_draft_steps_replayed_give_the_tokens_of_eager_steps(llm, monkeypatch, method, k):
-    eager = LLM(BUNDLED_MODEL, dtype="float32", engine=speculating(method, k)).engine
+    eager = LLM(BUNDLED_MODEL, dtype="float32", engine=speculating(BASE, method, k)).engine
     want = outputs(eager)
     graphs = stand_in_for_graphs(monkeypatch)
-    engine = engine_with_graphs(llm, speculating(method, k))
+    engine = engine_with_graphs(llm, speculating(BASE, method, k))
     assert outputs(engine) == want == outputs(llm.engine)
     verify = len(engine.graphs.graphs)  # (captured first: the target's, then the drafter's)
     assert any(g.replays for g in graphs[:verify]) and any(g.replays for g in graphs[verify:])
@@ -97,7 +78,7 @@ def test_a_mixed_workload_replayed_and_launched_ahead_gives_what_eager_steps_giv
     (preemptions), replayed from the graphs and launched ahead, against eager steps one at
     a time; without drafts, with them, and with them and the operator's logits processor
     (each draft drawn on the host)."""
-    config = replace(speculating(method, 2) if method else BASE, block_size=4, max_num_batched_tokens=16,
+    config = replace(speculating(BASE, method, 2) if method else BASE, block_size=4, max_num_batched_tokens=16,
                      max_num_seqs=5, enable_prefix_caching=True, logits_processors=processors)
     probe = LLM(BUNDLED_MODEL, dtype="float32", engine=config).engine
     config = replace(config, kv_cache_memory=25 * (config.kv_cache_memory // (probe.blocks.num_blocks + 1)))
