@@ -132,3 +132,28 @@ def test_a_batch_scheduled_while_a_drafted_step_flies_has_blocks_for_every_draft
     assert s.schedule() == [] and s.waiting[0] is seq
     seq.unsure = 0  # (landed)
     assert s.schedule() and seq in s.running
+
+
+def test_an_abort_while_its_drafted_step_flies_frees_everything(llm, monkeypatch):
+    """The second request aborted once it has 3 tokens or more and a drafted step of its own
+    flies (its drafts not judged yet): nothing more reaches it, the others get what they get alone, and
+    every block comes back, the aborted one's after the steps in flight wrote them."""
+    config = speculating(BASE, "mtp", 3)
+    want = [o.token_ids for o in run_to_end(llm.engine, ending_in_turn()).values()]
+    stand_in_for_graphs(monkeypatch)
+    engine = engine_with_graphs(llm, config)
+    engine.pipeline = StepPipeline(engine)
+    seqs = ending_in_turn()
+
+    def abort_second(outputs):
+        flight = engine.pipeline.flight
+        if sum(len(o.token_ids) for o in outputs[seqs[1].id]) >= 3 and not seqs[1].finished \
+                and flight is not None and seqs[1] in flight.seqs and flight.ks[flight.seqs.index(seqs[1])]:
+            engine.abort(seqs[1])
+
+    got = run_to_end(engine, seqs, each_step=abort_second)
+    aborted = got[seqs[1].id]
+    assert aborted.finish_reason is None and aborted.token_ids == want[1][: len(aborted.token_ids)]
+    assert len(aborted.token_ids) < len(want[1])
+    assert [got[s.id].token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    assert engine.blocks.used == 0 and not engine.has_work()
