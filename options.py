@@ -115,9 +115,14 @@ class EngineOptions:
         True, "Launch each step (decode, prompt or mixed) on the GPU before the previous step's tokens reach the host,"
         " so that the host's work between steps overlaps the GPU's; a request ended by a stop token or string costs"
         " one step computed for nothing; draws that read the output on the host (grammars, logits processors) are made"
-        " once the step before has landed, while the GPU computes the step; with speculative decoding, steps whose"
-        " rows all fit the CUDA graphs and whose drafts nothing reads on the host (no grammar, no logits processor)"
-        " (no effect on a CPU).", flag="--async-scheduling/--no-async-scheduling")
+        " once the step before has landed, while the GPU computes the step; with speculative decoding, steps run one"
+        " at a time unless --drafts-ahead (no effect on a CPU).", flag="--async-scheduling/--no-async-scheduling")
+    drafts_ahead: bool = option(
+        False, "With --speculative-config and --async-scheduling, launch drafted steps (a verify step and the drafter's"
+        " steps) before the step in flight has landed too, their rows moved on on the GPU by the drafts that step"
+        " keeps. Off by default: it adds host work to each step, and where the host's work outweighs the GPU's"
+        " (the bundled model on an H100) steps took 2-3x longer; it can pay only where a step's GPU time hides it.",
+        flag="--drafts-ahead/--no-drafts-ahead")
     logits_processors: tuple[str, ...] = option(
         (), "A logits processor applied to every request: module:Class, or module:Class={json args} (repeatable;"
         " see worker/engine/logits_processors.py).")

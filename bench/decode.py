@@ -284,7 +284,7 @@ def run_transformers(model: Path, device: str, batch: int, context: int, output_
 def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[int, int]], output_len: int,
                transformers: bool, progress: Callable[[str], None], enforce_eager: bool = False,
                profile: bool = False, speculative: tuple[int, ...] = (0,), async_scheduling: bool = True,
-               draft_model: Path | None = None) -> dict:
+               draft_model: Path | None = None, drafts_ahead: bool = False) -> dict:
     from preload.worker.llm import LLM
 
     t0 = time.perf_counter()
@@ -292,6 +292,7 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
     result = begin("decode", device) | {"model": str(model), "output_len": output_len, "runs": [], "transformers": [],
                                         "cuda_graphs": dev.type == "cuda" and not enforce_eager,
                                         "async_scheduling": dev.type == "cuda" and async_scheduling,
+                                        "drafts_ahead": drafts_ahead,
                                         "drafter": str(draft_model) if draft_model else "mtp"}
     if dev.type == "cuda":
         result["machine"]["cuda_device"] = torch.cuda.get_device_name(dev)
@@ -312,7 +313,7 @@ def run_decode(model: Path, device: str, quants: list[str], cases: list[tuple[in
         spec = json.dumps(method | {"num_speculative_tokens": k}) if k else None
         drafter = "draft-model" if draft_model else "MTP"
         engine = EngineOptions(kv_cache_memory=kv, max_num_seqs=max(batches), enforce_eager=enforce_eager,
-                               async_scheduling=async_scheduling, speculative_config=spec,
+                               async_scheduling=async_scheduling, drafts_ahead=drafts_ahead, speculative_config=spec,
                                enable_prefix_caching=False)  # (random prompts: no hits anyway)
         t = time.perf_counter()
         llm = LLM(model, quant=quant, device=str(dev), engine=engine)

@@ -144,12 +144,13 @@ def cold(model, quant, repeat, workers, device, evict, no_warmup, with_transform
               help="Comma-separated MTP draft counts to measure (0: no speculative decoding).")
 @click.option("--draft-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft with this checkpoint (same vocabulary) instead of the MTP layer.")
+@click.option("--drafts-ahead", is_flag=True, help="Launch drafted steps ahead too (as a worker with --drafts-ahead).")
 @click.option("--max-batch-tokens", type=click.IntRange(1), default=None,
               help="Skip the (batch, context) cases whose batch x context exceeds this [default: run all].")
 @device_option
 @json_option("decode")
 def decode(model, quant, batch, context, output_len, with_transformers, enforce_eager, no_async_scheduling, profile,
-           speculative_tokens, draft_model, max_batch_tokens, device, json_path):
+           speculative_tokens, draft_model, drafts_ahead, max_batch_tokens, device, json_path):
     """Decode speed: tok/s and ms per step by batch and context, vs the bandwidth limit and transformers."""
     from preload.bench.decode import format_table, run_decode
     from preload.options import BUNDLED_MODEL
@@ -162,7 +163,8 @@ def decode(model, quant, batch, context, output_len, with_transformers, enforce_
         drafts = tuple(_int_list(speculative_tokens, "--speculative-tokens", minimum=0))
         result = run_decode(Path(model or BUNDLED_MODEL), device, quant, cases, output_len,
                             with_transformers, _progress, enforce_eager=enforce_eager, profile=profile,
-                            speculative=drafts, draft_model=draft_model, async_scheduling=not no_async_scheduling)
+                            speculative=drafts, draft_model=draft_model, async_scheduling=not no_async_scheduling,
+                            drafts_ahead=drafts_ahead)
     except (OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _report(result, format_table, json_path)

@@ -122,9 +122,10 @@ def test_sampled_requests_with_drafts_keep_the_targets_distribution_on_the_gpu(p
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_drafted_steps_are_launched_ahead_with_the_greedy_tokens_of_plain_decoding(plain, method, monkeypatch):
-    """--async-scheduling with drafts (drafts_ahead.py): verify steps launched while the step
-    before flies, their rows moved on on the device by the drafts that step keeps; the
-    greedy outputs of plain decoding at batch 16."""
+    """--drafts-ahead (drafts_ahead.py): verify steps launched while the step before flies,
+    their rows moved on on the device by the drafts that step keeps; the greedy outputs of
+    plain decoding at batch 16, and (drafts counted once verified) the draft model twin's
+    drafts nearly all kept, as one step at a time keeps them."""
     from preload.worker.engine import drafts_ahead, pipeline
 
     launches, launch = [0, 0], drafts_ahead.launch_drafted  # (from the host, while another flew)
@@ -134,8 +135,9 @@ def test_drafted_steps_are_launched_ahead_with_the_greedy_tokens_of_plain_decodi
         return launch(e, batch, before)
 
     monkeypatch.setattr(pipeline, "launch_drafted", counting)
-    llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(2, method))
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(2, method, drafts_ahead=True))
     want = plain.generate(prompts(16), max_tokens=40, logprobs=5, ignore_eos=True)
     assert_same_greedy(llm.generate(prompts(16), max_tokens=40, ignore_eos=True), want, ONE_ULP)
     assert launches[1] >= 5 and launches[1] > launches[0], launches
-    assert llm.engine.stats().spec_accepted_tokens > 0
+    s = llm.engine.stats()
+    assert s.spec_accepted_tokens >= (0.95 if method == "draft_model" else 0.01) * s.spec_draft_tokens > 0

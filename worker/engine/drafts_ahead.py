@@ -53,7 +53,7 @@ def launches_drafted(e: Engine, batch: list[tuple[Sequence, int]]) -> bool:
     flight lands: decode and verify rows alone, nothing read on the host mid-step, and
     every row, the drafter's too, in the graphs however many drafts are kept."""
     d = e.drafter
-    if not batch or e.processors or e.graphs is None or d.graphs is None:
+    if not batch or not e.config.drafts_ahead or e.processors or e.graphs is None or d.graphs is None:
         return False
     if any(n != 1 + len(seq.drafts) or seq.pending != 1 or seq.matcher is not None or seq.wants_prompt_logprobs
            for seq, n in batch):
@@ -204,7 +204,6 @@ def catch_up(d: Drafter, spans: list[tuple[Sequence, int, int]], fed: torch.Tens
     reach = Reach([spans[i][1] + 1 - mtp for i in nexts], [slack[i] + flight.ks[i] for i in nexts],
                   (offsets + flight.kept)[picked])
     d._chain(seqs, x[rows] if x is not None else None, logits[rows], reach)
-    d.drafted += sum(len(seq.drafts) for seq in seqs)
 
 
 def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output]:
@@ -239,7 +238,8 @@ def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output
         if seq.status is Status.RUNNING and seq.computed >= start + 1:
             seq.computed += kept
             e.blocks.cache_full_blocks(seq, upto=start + 1 + kept)
-        if ks[i]:
+        if ks[i] and seq not in flight.faults:
+            e.drafter.drafted += ks[i]
             e.drafter.accepted += kept
         outs = []
         try:

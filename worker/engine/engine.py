@@ -342,6 +342,7 @@ class Engine:
                 rows = self.processed(rows, [seq] * len(rows), [seq.output + seq.drafts[:j] for j in range(len(rows))])
                 with stage("speculative decoding"):
                     tokens = accept(rows, seq)
+            self.drafter.drafted += len(seq.drafts)
             seq.keep_drafts(0)
             seq.computed = start + len(tokens)
             self.blocks.cache_full_blocks(seq)

@@ -279,7 +279,10 @@ class Drafter:
         self.k, self.blocks, self.device, self.model, self.cache = config.num_speculative_tokens, blocks, device, model, cache
         self.shape, self.graphs, self.scratch_block = shape, graphs, scratch_block
         self.mtp = config.method == "mtp"
-        self.drafted = 0  # draft tokens proposed and accepted so far (metrics)
+        # Draft tokens verified so far, and those of them the target accepted (metrics): a
+        # draft never verified (its sequence ended or was preempted first, or no room or
+        # budget was left for it) counts in neither.
+        self.drafted = 0
         self.accepted = 0
 
     def _run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]],
@@ -335,7 +338,6 @@ class Drafter:
             self._chain(seqs, x, logits, Reach.known(seqs, shift))
         else:
             self._draw(seqs, x, logits, shift)
-        self.drafted += sum(len(catch[i][0].drafts) for i in picks)
 
     @staticmethod
     def _pick(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,7 +2,8 @@
 to the device before the step in flight has landed, their rows moved on by the drafts that
 step keeps, known on the device only. What the host books, grows and lands must give
 exactly what steps one at a time give. On the CPU, with the graphs stood in for
-(tests/graphs_on_cpu.py): what runs is the host's side, as on a GPU."""
+(tests/graphs_on_cpu.py): what runs is the host's side, as on a GPU. Off by default
+(--drafts-ahead): these engines turn it on."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import Sequence
 
-BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6)
+BASE = EngineOptions(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_seqs=6, drafts_ahead=True)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +158,14 @@ def test_an_abort_while_its_drafted_step_flies_frees_everything(llm, monkeypatch
     assert len(aborted.token_ids) < len(want[1])
     assert [got[s.id].token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
     assert engine.blocks.used == 0 and not engine.has_work()
+
+
+def test_without_drafts_ahead_drafted_steps_run_from_the_host(llm, monkeypatch):
+    """--drafts-ahead is off by default (options.py says why): a drafted step is launched
+    only once the step before has landed, and the tokens are the same."""
+    stand_in_for_graphs(monkeypatch)
+    count = counting(monkeypatch)
+    engine = engine_with_graphs(llm, speculating(replace(BASE, drafts_ahead=False), "mtp", 2))
+    got = launched_ahead(engine, ending_in_turn())
+    assert [o.token_ids for o in got] == [o.token_ids for o in run_to_end(llm.engine, ending_in_turn()).values()]
+    assert count[0] == 0 and engine.stats().spec_accepted_tokens > 0
