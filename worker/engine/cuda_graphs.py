@@ -253,7 +253,6 @@ class DecodeGraphs:
         logprobs, states = self.outputs[size]
         return logprobs[: len(rows)], states[: len(rows)]
 
-
     def shift_rows(self, shift: torch.Tensor) -> None:
         """Move the first len(shift) rows filled on by `shift` positions each, on the device:
         a step launched before the one in flight has landed knows its rows' positions up to

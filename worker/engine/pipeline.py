@@ -22,8 +22,8 @@ processors) are made late: the step's forward is launched ahead all the same, an
 only once the step before it has landed (the matchers have read its tokens), while the GPU
 computes that forward; penalties take the token in flight from the device (sampler.py) and
 draw at the launch. What it needs, else steps run one at a time as without it: no prompt
-being scored; with a drafter, what drafts_ahead.py says. On a CPU nothing runs asynchronously, so the engine does not use
-it (the tests give it one).
+being scored; with a drafter, what drafts_ahead.py says (--drafts-ahead). On a CPU nothing
+runs asynchronously, so the engine does not use it (the tests give it one).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from preload.worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:  # (the engine makes its pipeline)
     from preload.worker.engine.engine import Engine
-
 
 
 def launches_ahead(engine: Engine, batch: list[tuple[Sequence, int]]) -> bool:
