@@ -177,33 +177,31 @@ def catch_up(d: Drafter, spans: list[tuple[Sequence, int, int]], fed: torch.Tens
     nexts, runs = [], []  # the spans drafting next; (start, rows, blocks) the drafter reads
     for i, (seq, start, n) in enumerate(spans):
         # (a draft model reads the judged token too, one row past the drafts, if it drafts next)
-        drafts = speculates(seq) and (mtp or d._room(seq, start + n + slack[i]))
+        drafts = speculates(seq) and (mtp or d.room(seq, start + n + slack[i]))
         if drafts:
             nexts.append(i)
         runs.append((start, n + (drafts and not mtp), seq.blocks))
-    firsts = on_device(list(accumulate((r for _, r, _ in runs[:-1]), initial=0)), dev, torch.long)
+    starts = list(accumulate((r for _, r, _ in runs[:-1]), initial=0))  # each span's first row
+    picked = on_device(nexts, dev, torch.long) if nexts else None
     if mtp:  # (at position i, the token at i + 1: the next one fed, or after the last kept, the judged one)
-        tokens = fed.roll(-1).index_copy_(0, firsts + flight.kept, flight.tokens)
-        at = firsts + flight.kept
-    else:
-        into = [first + j for first, (_, _, n) in zip(accumulate((r for _, r, _ in runs[:-1]), initial=0), spans)
-                for j in range(n)]
+        at = on_device(starts, dev, torch.long) + flight.kept
+        tokens = fed.roll(-1).index_copy_(0, at, flight.tokens)
+    else:  # (the tokens fed, and for those drafting next the judged one in the row after the kept drafts)
+        at = on_device(starts, dev, torch.long) + flight.kept + 1
+        into = [first + j for first, (_, _, n) in zip(starts, spans) for j in range(n)]
         tokens = torch.zeros(sum(r for _, r, _ in runs), dtype=torch.long, device=dev)
         tokens.index_copy_(0, on_device(into, dev, torch.long), fed)
-        at = firsts + flight.kept + 1
         if nexts:
-            picked = on_device(nexts, dev, torch.long)
             tokens.index_copy_(0, at[picked], flight.tokens[picked])
     shift = offsets[on_device([i for i, (_, r, _) in enumerate(runs) for _ in range(r)], dev, torch.long)]
-    x, logits = d._run(hidden if mtp else None, tokens, runs, shift)
+    x, logits = d.run(hidden if mtp else None, tokens, runs, shift)
     if not nexts:
         return
-    picked = on_device(nexts, dev, torch.long)
     rows = at[picked]
     seqs = [spans[i][0] for i in nexts]
     reach = Reach([spans[i][1] + 1 - mtp for i in nexts], [slack[i] + flight.ks[i] for i in nexts],
                   (offsets + flight.kept)[picked])
-    d._chain(seqs, x[rows] if x is not None else None, logits[rows], reach)
+    d.chain(seqs, x[rows] if x is not None else None, logits[rows], reach)
 
 
 def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output]:

@@ -55,7 +55,7 @@ class Sequence:
     computed: int = 0
     drafts: list[int] = field(default_factory=list)  # speculative tokens after the pending one (speculative.py)
     draft_probs: list = field(default_factory=list)  # the drafter's distribution for each (sampled requests)
-    # Drafts still on the device (speculative.Drafter._chain): the tensor they lie in and
+    # Drafts still on the device (speculative.Drafter.chain): the tensor they lie in and
     # the index of each; `drafts` holds placeholders until they are judged or read.
     draft_at: tuple[torch.Tensor, list[int]] | None = None
     # Drafts verified by a step launched ahead and not landed (drafts_ahead.py): each may be

@@ -285,7 +285,7 @@ class Drafter:
         self.drafted = 0
         self.accepted = 0
 
-    def _run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]],
+    def run(self, hidden: torch.Tensor | None, tokens: list[int] | torch.Tensor, spans: list[tuple[int, int, list[int]]],
              shift: torch.Tensor | None = None):
         """(hidden states to chain on, or None; logits, or log-probs from a graph: the same
         draws) of the drafter over the spans (start, tokens, blocks) of a flat batch; the
@@ -317,7 +317,7 @@ class Drafter:
             if m > 0 and not seq.finished:
                 # The MTP layer at position i reads the token at i+1; a draft model reads position
                 # i's own token, so it also reads the pending one, at `computed`, if it is to draft.
-                decodes = speculates(seq) and seq.pending == 1 and (self.mtp or self._room(seq, seq.computed))
+                decodes = speculates(seq) and seq.pending == 1 and (self.mtp or self.room(seq, seq.computed))
                 catch.append((seq, start, m + (decodes and not self.mtp), offset, decodes))
             offset += n
         if not catch:
@@ -325,7 +325,7 @@ class Drafter:
         shift = 1 if self.mtp else 0
         tokens = [t for seq, start, r, _, _ in catch for t in seq.tokens(start + shift, start + shift + r)]
         h = torch.cat([hidden[off : off + r] for _, _, r, off, _ in catch]) if self.mtp else None
-        x, logits = self._run(h, tokens, [(start, r, seq.blocks) for seq, start, r, _, _ in catch])
+        x, logits = self.run(h, tokens, [(start, r, seq.blocks) for seq, start, r, _, _ in catch])
         # (indices sent without a wait: a pageable copy would wait for the steps queued)
         ends = on_device([r for _, _, r, _, _ in catch], self.device, torch.long).cumsum(0) - 1
         picks = [i for i, entry in enumerate(catch) if entry[4]]
@@ -335,7 +335,7 @@ class Drafter:
         last = ends[on_device(picks, self.device, torch.long)]
         x, logits = (x[last] if x is not None else None), logits[last]
         if self.shape is None:
-            self._chain(seqs, x, logits, Reach.known(seqs, shift))
+            self.chain(seqs, x, logits, Reach.known(seqs, shift))
         else:
             self._draw(seqs, x, logits, shift)
 
@@ -346,7 +346,7 @@ class Drafter:
         acceptance test)."""
         return sample_rows(logits, [seq.params for seq in seqs], [None] * len(seqs))
 
-    def _chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, reach: Reach) -> None:
+    def chain(self, seqs: list[Sequence], x: torch.Tensor | None, logits: torch.Tensor, reach: Reach) -> None:
         """Drafts chained on the device, when no processor shapes them: each draft is the
         next draft step's input where it lies, the host only growing the blocks; the drafts
         stay there for the verify step, with no wait for them (a sampled one's q too, for
@@ -405,14 +405,14 @@ class Drafter:
         and chains on its own output, `x`), for those with a cache slot there: (their indices
         in `seqs`, hidden states, logits), or None if none has one."""
         at = [base + j + 1 for base in reach.bases]
-        room = [n for n, (seq, pos, slack) in enumerate(zip(seqs, at, reach.slack)) if self._room(seq, pos + slack)]
+        room = [n for n, (seq, pos, slack) in enumerate(zip(seqs, at, reach.slack)) if self.room(seq, pos + slack)]
         if not room:
             return None
         keep = on_device(room, self.device, torch.long)
         x = x[keep] if x is not None else None
         tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
         shift = reach.offsets[keep] if reach.offsets is not None else None
-        return (room, *self._run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room], shift))
+        return (room, *self.run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room], shift))
 
     @staticmethod
     def _add(seqs: list[Sequence], tokens: list[int], q: torch.Tensor | None) -> None:
@@ -423,7 +423,7 @@ class Drafter:
             seq.drafts.append(t)
             seq.draft_probs.append(None if seq.params.greedy else next(rows))
 
-    def _room(self, seq: Sequence, position: int) -> bool:
+    def room(self, seq: Sequence, position: int) -> bool:
         """Whether `seq` has (or can get) a cache slot at `position`."""
         if self.blocks.can_grow(seq, position + 1):
             self.blocks.grow(seq, position + 1)

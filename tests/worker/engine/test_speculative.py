@@ -54,7 +54,7 @@ def test_greedy_outputs_equal_decoding_without_drafts(plain, k):
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_drafts_are_chained_and_verified_on_the_device_and_copied_with_the_judging(plain, method, monkeypatch):
     """Without processors, greedy and sampled requests' k drafts alike: each the next draft
-    step's input where it lies (speculative.Drafter._chain), left there for the verify step,
+    step's input where it lies (speculative.Drafter.chain), left there for the verify step,
     which reads them there (Engine.forward), and brought to the host with the judged tokens
     in one copy (judge): never read back on their own (Sequence.resolve_drafts). Drawing on
     the host, draft by draft, is left to the operator's processors (`_draw`). Greedy outputs
