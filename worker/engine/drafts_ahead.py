@@ -61,7 +61,8 @@ def launches_drafted(e: Engine, batch: list[tuple[Sequence, int]]) -> bool:
     rows, tables = sum(n for _, n in batch), [seq.blocks for seq, _ in batch]
     farthest = max(seq.computed + seq.unsure + n for seq, n in batch) + d.k + 1  # (a chained draft's slot, at most)
     width = min(e.graphs.width, d.graphs.width) * e.blocks.block_size
-    return e.graphs.holds(rows, tables) and d.graphs.holds(rows + len(batch), tables) and farthest <= width
+    catch_up_rows = rows + (0 if d.mtp else len(batch))  # (a draft model reads the judged token in a row more)
+    return e.graphs.holds(rows, tables) and d.graphs.holds(catch_up_rows, tables) and farthest <= width
 
 
 def launch_drafted(e: Engine, batch: list[tuple[Sequence, int]], before: Flight | None) -> Flight:

@@ -18,9 +18,9 @@ from graphs_on_cpu import engine_with_graphs, stand_in_for_graphs
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
 from preload.worker.engine import drafts_ahead
+from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.pipeline import StepPipeline
 from preload.worker.engine.sampling_params import SamplingParams
-from preload.worker.engine.block_manager import BlockManager
 from preload.worker.engine.scheduler import Scheduler
 from preload.worker.engine.sequence import Sequence
 
@@ -169,3 +169,18 @@ def test_without_drafts_ahead_drafted_steps_run_from_the_host(llm, monkeypatch):
     got = launched_ahead(engine, ending_in_turn())
     assert [o.token_ids for o in got] == [o.token_ids for o in run_to_end(llm.engine, ending_in_turn()).values()]
     assert count[0] == 0 and engine.stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_a_full_batch_of_drafting_sequences_is_launched_ahead(llm, monkeypatch, method):
+    """As many sequences as places (6), each with its drafts: the drafter's graphs hold the
+    catch-up (the MTP layer's k + 1 rows a sequence; a draft model's one more), so the steps
+    are launched ahead at the full batch too."""
+    stand_in_for_graphs(monkeypatch)
+    count = counting(monkeypatch)
+    engine = engine_with_graphs(llm, speculating(BASE, method, 1))
+    seqs = [Sequence([5 + i, 6, 7, 8], SamplingParams(max_tokens=16, ignore_eos=True)) for i in range(6)]
+    got = launched_ahead(engine, seqs)
+    want = run_to_end(llm.engine, [Sequence(s.prompt, s.params) for s in seqs]).values()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert count[0] >= 4
