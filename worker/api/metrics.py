@@ -67,7 +67,7 @@ class WorkerMetrics:
         self.prefix_queries = counter("preload_prefix_cache_queries", "Tokens of admitted requests looked up in the"
                                       " prefix cache")
         self.prefix_hits = counter("preload_prefix_cache_hits", "Tokens found in the prefix cache")
-        self.spec_drafts = counter("preload_spec_decode_num_draft_tokens", "Draft tokens verified by the model (speculative decoding)")
+        self.spec_drafts = counter("preload_spec_decode_num_draft_tokens", "Draft tokens the model verified")
         self.spec_accepted = counter("preload_spec_decode_num_accepted_tokens", "Draft tokens the model accepted")
         self.engine_steps = counter("preload_engine_steps", "Engine steps, by kind: prompt (prompt tokens in it),"
                                     " decode (one token a sequence), decode_ahead (launched before the previous"
