@@ -217,9 +217,10 @@ def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output
                                  [values[r * width : (r + 1) * width] for r in range(len(plain))], flight.n_top)))
     at, m = len(plain) * width, len(judged)
     counts, lasts, drafts = values[at : at + m], values[at + m : at + 2 * m], values[at + 2 * m :]
+    first = 0  # (each one's drafts in `drafts`)
     for i, a, last in zip(judged, counts, lasts):
-        got[i] = ([int(t) for t in drafts[: int(a)]] + [int(last)], None, None)
-        drafts = drafts[ks[i] :]
+        got[i] = ([int(t) for t in drafts[first : first + int(a)]] + [int(last)], None, None)
+        first += ks[i]
     marks = {id(seq): row for row, seq in enumerate(later.seqs)} if later is not None else {}
     outputs = []
     for i, (seq, start, _) in enumerate(flight.spans):
