@@ -41,7 +41,7 @@ from preload.worker.engine.flight import PLACEHOLDER, Flight, draw, drawn_before
 from preload.worker.engine.host_logprobs import pack, unpack
 from preload.worker.engine.output import Output
 from preload.worker.engine.sequence import Sequence, Status
-from preload.worker.engine.speculative import Drafter, Reach, gathered, judged_on_device, speculates
+from preload.worker.engine.speculative import Drafter, Reach, fed_tokens, judged_on_device, speculates
 from preload.worker.model.host_values import on_device
 
 if TYPE_CHECKING:  # (the engine makes its pipeline)
@@ -106,35 +106,24 @@ def kept_before(seqs: list[Sequence], before: Flight | None, dev: torch.device) 
     """The drafts `before` keeps of each of `seqs`, on the device (0 where it has none)."""
     if before is None or before.kept is None:
         return torch.zeros(len(seqs), dtype=torch.long, device=dev)
-    rows = {id(seq): row for row, seq in enumerate(before.seqs)}
-    picked = [rows.get(id(seq), len(before.seqs)) for seq in seqs]  # (past the end: a 0)
+    picked = [before.rows.get(id(seq), len(before.seqs)) for seq in seqs]  # (past the end: a 0)
     return torch.cat([before.kept, before.kept.new_zeros(1)])[on_device(picked, dev, torch.long)]
 
 
 def inputs_ahead(spans: list[tuple[Sequence, int, int]], before: Flight | None, dev: torch.device) -> torch.Tensor:
-    """A drafted step's inputs on the device: each sequence's pending token (the one `before`
-    drew or judged last, where it is in `before`; else the host's) and its drafts (where the
-    drafter left them)."""
-    rows = {id(seq): row for row, seq in enumerate(before.seqs)} if before is not None else {}
-    host, into, src, drafts, ranges, at = [], [], [], [], [], 0
-    for seq, start, n in spans:
-        row = rows.get(id(seq))
-        if row is None:
-            host.append(seq.tokens(start, start + 1)[0])
-        else:
-            host.append(0)
-            into.append(at)
-            src.append(row)
-        host += [0] * (n - 1)
-        if n > 1:
-            drafts += range(at + 1, at + n)
-            ranges.append((seq, 0, n - 1))
-        at += n
-    fed = on_device(host, dev, torch.long)
-    if into:
-        fed.index_copy_(0, on_device(into, dev, torch.long), before.tokens[on_device(src, dev, torch.long)])
-    if drafts:
-        fed.index_copy_(0, on_device(drafts, dev, torch.long), gathered(ranges, dev))
+    """A drafted step's inputs on the device: the tokens and drafts a step from the host would
+    feed (speculative.fed_tokens), each pending token that `before` drew or judged last (a
+    placeholder on the host) put in from there."""
+    fed = fed_tokens(spans, dev)
+    if before is not None:
+        into, src, at = [], [], 0
+        for seq, _, n in spans:
+            if id(seq) in before.rows:
+                into.append(at)
+                src.append(before.rows[id(seq)])
+            at += n
+        if into:
+            fed.index_copy_(0, on_device(into, dev, torch.long), before.tokens[on_device(src, dev, torch.long)])
     return fed
 
 
@@ -221,7 +210,7 @@ def land_drafted(e: Engine, flight: Flight, later: Flight | None) -> list[Output
     for i, a, last in zip(judged, counts, lasts):
         got[i] = ([int(t) for t in drafts[first : first + int(a)]] + [int(last)], None, None)
         first += ks[i]
-    marks = {id(seq): row for row, seq in enumerate(later.seqs)} if later is not None else {}
+    marks = later.rows if later is not None else {}
     outputs = []
     for i, (seq, start, _) in enumerate(flight.spans):
         seq.unsure -= ks[i]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,11 @@ class Flight:
     # of them it keeps, on the device (the next step's rows lie that far past the host's).
     ks: list[int] = field(default_factory=list)
     kept: torch.Tensor | None = None
+
+    @cached_property
+    def rows(self) -> dict[int, int]:
+        """Each of `seqs`' index among them, by id (a later step looks its sequences up here)."""
+        return {id(seq): row for row, seq in enumerate(self.seqs)}
 
     def send(self, packed: torch.Tensor) -> None:
         """Queue what the host needs of the step (`packed`, on the device) to the host, in
@@ -80,8 +86,7 @@ def drawn_before(seqs: list[Sequence], before: Flight | None) -> torch.Tensor | 
     the device, for the penalties (sampler.steer); None where no draw reads its output."""
     if before is None or before.tokens is None or not any(s.params.shapes_logits for s in seqs):
         return None
-    rows = {id(seq): row for row, seq in enumerate(before.seqs)}
-    picked = [rows.get(id(seq), 0) for seq in seqs]  # (row 0 where none: its output ends with no placeholder)
+    picked = [before.rows.get(id(seq), 0) for seq in seqs]  # (row 0 where none: its output ends with no placeholder)
     return before.tokens[on_device(picked, before.tokens.device, torch.long)]
 
 
