@@ -182,17 +182,19 @@ class LLM:
                        draft: Transformer | None) -> tuple[DecodeGraphs, DecodeGraphs | None]:
         """The decode graphs for engines of `config`, and the drafter's: a verify step feeds
         each sequence's pending token and its k drafts (rows, cuda_graphs.py); the MTP layer
-        catches up on up to k + 1 positions a sequence, a draft model on one more."""
+        catches up on up to k + 1 positions a sequence, a draft model on one more, and the
+        drafter's graphs are filled k times a step (the catch-up, then each chained draft)."""
         def made(model: Transformer, rows: int, **kw) -> DecodeGraphs:
             return DecodeGraphs(model, rows, config.block_size, config.kv_cache_dtype, self.device, **kw)
 
         if spec is None:
             return made(self.model, config.max_num_seqs), None
-        rows = config.max_num_seqs * (spec.num_speculative_tokens + 1)
+        k = spec.num_speculative_tokens
+        rows = config.max_num_seqs * (k + 1)
         if spec.method == "mtp":
             target = made(self.model, rows, cache_layers=self.model.num_cache_layers)
-            return target, made(self.model, rows, cache_ptrs=target.cache_ptrs, mtp=True)
-        return made(self.model, rows), made(draft, rows + config.max_num_seqs)
+            return target, made(self.model, rows, cache_ptrs=target.cache_ptrs, mtp=True, fills=k)
+        return made(self.model, rows), made(draft, rows + config.max_num_seqs, fills=k)
 
     def _draft_model(self, config: EngineOptions) -> Transformer | None:
         """The draft model --speculative-config names: loaded here, on the target's device and

@@ -105,7 +105,8 @@ class DecodeGraphs:
     table, for graphs over the same cache (the MTP layer's, `mtp`)."""
 
     def __init__(self, model: Transformer, max_rows: int, block_size: int, kv_cache_dtype: str, device: torch.device,
-                 *, cache_layers: int | None = None, cache_ptrs: torch.Tensor | None = None, mtp: bool = False):
+                 *, cache_layers: int | None = None, cache_ptrs: torch.Tensor | None = None, mtp: bool = False,
+                 fills: int = 1):
         cfg: ModelConfig = model.cfg
         self.model, self.block_size, self.kv_cache_dtype, self.mtp = model, block_size, kv_cache_dtype, mtp
         self.sizes = bucket_sizes(max_rows)
@@ -117,12 +118,15 @@ class DecodeGraphs:
         self.hidden_in = torch.zeros(n, cfg.hidden_size, dtype=model.embed.dtype, device=device) if mtp else None
         self.ids = torch.zeros(4, n, dtype=torch.long, device=device)  # tokens, positions, slots, context lengths
         self.table = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        # The host side of the same, copied in at most two transfers a step: two of each,
-        # taken in turn, since a step launched ahead (pipeline.py) fills one while the
-        # copy out of the other may still wait in the stream; an event says it is done.
-        self.host = [(torch.zeros(4, n, dtype=torch.long).pin_memory(),
-                      torch.zeros(n, self.width, dtype=torch.int32).pin_memory(), torch.cuda.Event()) for _ in range(2)]
-        self._turn = 0
+        # The host side of the same, copied in at most two transfers a replay. Taken in turn
+        # from a ring: a step launched ahead (pipeline.py) fills its buffers while the copies
+        # out of the step in flight's may still wait in the stream (an event says when they
+        # are done), and a drafter fills its graphs `fills` times a step (the catch-up, then
+        # each chained draft). A fill that finds the next buffer still queued takes a new
+        # one, up to two steps' worth, rather than wait: waiting there would make the host
+        # wait for the GPU to finish the step in flight, and the overlap is gone.
+        self.host: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self.turns, self._turn = 2 * fills, 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (log-probs, hidden states) per bucket
         # Every bucket's log-probs in one buffer (each bucket's own held 16 of them at
@@ -168,10 +172,7 @@ class DecodeGraphs:
 
     def _fill(self, rows: list[tuple[int, int, list[int]]], size: int, scratch_block: int) -> None:
         """rows: (token, position, blocks) of each row; the rest of `size` is padding."""
-        host_ids, host_table, copied = self.host[self._turn]
-        self._turn ^= 1
-        if not copied.query():  # (its last copy out: long done, but the stream is what says so)
-            copied.synchronize()
+        host_ids, host_table, copied = self._host_buffers()
         ids, table, bs = host_ids.numpy(), host_table.numpy(), self.block_size
         width = 1
         for i, (token, pos, blocks) in enumerate(rows):
@@ -183,6 +184,20 @@ class DecodeGraphs:
         self.ids[:, :size].copy_(host_ids[:, :size], non_blocking=True)
         self.table[:size, :width].copy_(host_table[:size, :width], non_blocking=True)
         copied.record()
+
+    def _host_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """The next host buffers in turn whose last copy out is done: a new one while each is
+        still queued and the ring has room, else the oldest once its copy is done."""
+        turn = self._turn
+        if len(self.host) == turn or (not self.host[turn][2].query() and len(self.host) < self.turns):
+            n = self.ids.shape[1]
+            self.host.insert(turn, (torch.zeros(4, n, dtype=torch.long).pin_memory(),
+                                    torch.zeros(n, self.width, dtype=torch.int32).pin_memory(), torch.cuda.Event()))
+        self._turn = (turn + 1) % len(self.host)
+        buffers = self.host[turn]
+        if not buffers[2].query():  # (a full ring: wait for the oldest's copy)
+            buffers[2].synchronize()
+        return buffers
 
     def ensure(self, cache: LatentCache, scratch_block: int, sizes: list[int]) -> bool:
         """Capture those of `sizes` not captured yet (a ~0.1 s stall each on the H200);

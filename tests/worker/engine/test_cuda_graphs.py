@@ -4,7 +4,8 @@ a little larger, and no graph is captured past the last bucket, whatever --max-n
 says (a graph keeps its activations on the device for good; a larger batch runs eagerly).
 What lets a verify step replay the decode graphs: k + 1 tokens of a sequence fed as
 one-token rows, each attending to the cache up to its own position, give what the span fed
-whole gives, through the model and through its MTP layer."""
+whole gives, through the model and through its MTP layer. A replay's fill never waits for
+the GPU while the host buffers of two steps' fills can hold it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from preload import BUNDLED_MODEL, LLM
 from preload.options import EngineOptions
-from preload.worker.engine.cuda_graphs import BUCKETS, bucket_sizes
+from preload.worker.engine.cuda_graphs import BUCKETS, DecodeGraphs, bucket_sizes
 from preload.worker.model.kv_cache import AttentionMeta
 
 
@@ -47,3 +48,37 @@ def test_a_span_fed_as_one_token_rows_gives_what_it_gives_fed_whole():
     assert meta([(20 + j, 1, [2, 3]) for j in range(4)]).decode_rows == 4  # (rows, as a decode step takes them)
     for whole, rows in zip(*got):
         assert torch.allclose(whole, rows, atol=1e-5, rtol=1e-5), (whole - rows).abs().max()
+
+
+class QueuedCopy:
+    """torch.cuda.Event over a copy that stays queued in the stream until waited for."""
+
+    def __init__(self):
+        self.queued, self.waits = False, 0
+
+    def record(self, *_) -> None:
+        self.queued = True
+
+    def query(self) -> bool:
+        return not self.queued
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self.queued = False
+
+
+def test_a_fill_takes_new_host_buffers_while_the_others_copies_are_queued_then_waits_for_the_oldest(monkeypatch):
+    # A drafter launched ahead fills its graphs k times a step while the step in flight's
+    # copies still wait in the stream: two steps' worth of buffers, then a wait.
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(torch.cuda, "Event", QueuedCopy)
+    llm = LLM(BUNDLED_MODEL, dtype="float32", engine=EngineOptions(kv_cache_memory=16 << 20))
+    graphs = DecodeGraphs(llm.model, 4, 16, "auto", torch.device("cpu"), fills=3)
+    used, take = [], graphs._host_buffers
+    monkeypatch.setattr(graphs, "_host_buffers", lambda: used.append(take()) or used[-1])
+    for j in range(8):
+        graphs._fill([(5 + j, j, [1])], 1, scratch_block=0)
+        assert int(graphs.ids[0, 0]) == 5 + j and int(graphs.ids[1, 0]) == j  # (what the fill wrote, copied in)
+    assert len(graphs.host) == 6  # 2 x fills, made as needed
+    assert len({id(b) for b in used[:6]}) == 6 and used[6] is used[0] and used[7] is used[1]
+    assert [b[2].waits for b in used[:6]] == [1, 1, 0, 0, 0, 0]  # the 7th and 8th waited for the oldest copies
