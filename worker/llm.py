@@ -185,7 +185,8 @@ class LLM:
         catches up on up to k + 1 positions a sequence, a draft model on one more, and the
         drafter's graphs are filled k times a step (the catch-up, then each chained draft)."""
         def made(model: Transformer, rows: int, **kw) -> DecodeGraphs:
-            return DecodeGraphs(model, rows, config.block_size, config.kv_cache_dtype, self.device, **kw)
+            return DecodeGraphs(model, rows, config.block_size, config.kv_cache_dtype, self.device, **kw,
+                                shifted=spec is not None and config.drafts_ahead)
 
         if spec is None:
             return made(self.model, config.max_num_seqs), None

@@ -106,7 +106,7 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, max_rows: int, block_size: int, kv_cache_dtype: str, device: torch.device,
                  *, cache_layers: int | None = None, cache_ptrs: torch.Tensor | None = None, mtp: bool = False,
-                 fills: int = 1):
+                 fills: int = 1, shifted: bool = False):
         cfg: ModelConfig = model.cfg
         self.model, self.block_size, self.kv_cache_dtype, self.mtp = model, block_size, kv_cache_dtype, mtp
         self.sizes = bucket_sizes(max_rows)
@@ -118,6 +118,9 @@ class DecodeGraphs:
         self.hidden_in = torch.zeros(n, cfg.hidden_size, dtype=model.embed.dtype, device=device) if mtp else None
         self.ids = torch.zeros(4, n, dtype=torch.long, device=device)  # tokens, positions, slots, context lengths
         self.table = torch.zeros(n, self.width, dtype=torch.int32, device=device)
+        # (`shifted`: how far each row lies past the position filled in, known on the device
+        # only, applied by the graph itself: shift_rows)
+        self.shift = torch.zeros(n, dtype=torch.long, device=device) if shifted else None
         # The host side of the same, copied in at most two transfers a replay. Taken in turn
         # from a ring: a step launched ahead (pipeline.py) fills its buffers while the copies
         # out of the step in flight's may still wait in the stream (an event says when they
@@ -162,6 +165,8 @@ class DecodeGraphs:
                              max_context=longest, decode_rows=size, decode_context=longest)
 
     def _step(self, size: int, cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.shift is not None:
+            self.shift_rows(size)
         tokens, meta = self.ids[0, :size], self._meta(size)
         if self.mtp:
             hidden, logits = self.model.mtp_step(self.hidden_in[:size], tokens, meta, cache)
@@ -263,22 +268,22 @@ class DecodeGraphs:
         if hidden is not None:
             self.hidden_in[: len(rows)].copy_(hidden)
         if shift is not None:
-            self.shift_rows(shift)
+            self.shift[: len(shift)].copy_(shift)
         self.graphs[size].replay()
         logprobs, states = self.outputs[size]
         return logprobs[: len(rows)], states[: len(rows)]
 
-    def shift_rows(self, shift: torch.Tensor) -> None:
-        """Move the first len(shift) rows filled on by `shift` positions each, on the device:
-        a step launched before the one in flight has landed knows its rows' positions up to
-        the drafts that step keeps (drafts_ahead.py). Their context lengths follow, and
-        their cache slots are read again from the block tables, which reach that far."""
-        n, bs = len(shift), self.block_size
-        positions = self.ids[1, :n] + shift
-        blocks = self.table[:n].gather(1, (positions // bs)[:, None])
-        self.ids[1, :n] = positions
-        self.ids[2, :n] = blocks[:, 0].long() * bs + positions % bs
-        self.ids[3, :n] = positions + 1
+    def shift_rows(self, size: int) -> None:
+        """Move each of the first `size` rows on by its `shift`, within the graph, and zero
+        the shifts for the next replay: a step launched before the one in flight has landed
+        knows its rows' positions up to the drafts that step keeps (drafts_ahead.py), which
+        the replay copies into `shift`. Their context lengths follow, and their cache slots
+        are read again from the block tables, which reach that far."""
+        bs, shift = self.block_size, self.shift[:size]
+        positions = self.ids[1, :size] + shift
+        blocks = self.table[:size].gather(1, (positions // bs)[:, None])[:, 0].long()
+        self.ids[1:, :size] = torch.stack([positions, blocks * bs + positions % bs, positions + 1])
+        shift.zero_()
 
 
 def fed_rows(batch: list[tuple]) -> int:

@@ -42,7 +42,7 @@ from preload.worker.engine.host_logprobs import pack, unpack
 from preload.worker.engine.output import Output
 from preload.worker.engine.sequence import Sequence, Status
 from preload.worker.engine.speculative import Drafter, Reach, fed_tokens, judged_on_device, speculates
-from preload.worker.model.host_values import on_device
+from preload.worker.model.host_values import all_on_device, on_device
 
 if TYPE_CHECKING:  # (the engine makes its pipeline)
     from preload.worker.engine.engine import Engine
@@ -72,26 +72,36 @@ def launch_drafted(e: Engine, batch: list[tuple[Sequence, int]], before: Flight 
     spans = spans_of(batch)
     seqs, ks = [seq for seq, _, _ in spans], [n - 1 for _, _, n in spans]
     dev, rows = e.device, sum(n for _, _, n in spans)
-    offsets = kept_before(seqs, before, dev)  # how far each sequence lies past the host's positions
-    row_shift = offsets[on_device([i for i, (_, _, n) in enumerate(spans) for _ in range(n)], dev, torch.long)]
-    fed = inputs_ahead(spans, before, dev)
-    logprobs, hidden = e.forward(spans, list(range(rows)), fed, shift=row_shift)
     firsts = list(accumulate((n for _, _, n in spans[:-1]), initial=0))
+    plain, judged = [i for i, k in enumerate(ks) if not k], [i for i, k in enumerate(ks) if k]
+    kept_rows = before.rows if before is not None and before.kept is not None else {}
+    fed_after = [i for i, seq in enumerate(seqs) if before is not None and id(seq) in before.rows]
+    # (every index the step's own operations take, in one copy)
+    row_span, before_at, fed_at, fed_from, plain_at, plain_rows, judged_at, judged_rows = all_on_device([
+        [i for i, (_, _, n) in enumerate(spans) for _ in range(n)],  # each row's span
+        [kept_rows.get(id(seq), len(before.seqs)) for seq in seqs] if kept_rows else [],  # (past the end: a 0)
+        [firsts[i] for i in fed_after], [before.rows[id(seqs[i])] for i in fed_after],
+        plain, [firsts[i] for i in plain], judged, rows_of(judged, ks, firsts)], dev)
+    # How far each sequence lies past the host's positions: the drafts `before` keeps of it.
+    offsets = torch.cat([before.kept, before.kept.new_zeros(1)])[before_at] if kept_rows else \
+        torch.zeros(len(seqs), dtype=torch.long, device=dev)
+    fed = fed_tokens(spans, dev)  # (each pending token that `before` drew or judged last: from there)
+    if len(fed_at):
+        fed.index_copy_(0, fed_at, before.tokens[fed_from])
+    logprobs, hidden = e.forward(spans, list(range(rows)), fed, shift=offsets[row_span])
     flight = Flight(spans, seqs, marks=[len(seq.output) for seq in seqs], ks=ks)
     flight.tokens = torch.zeros(len(seqs), dtype=torch.long, device=dev)  # each one's token fed next
     flight.kept = torch.zeros(len(seqs), dtype=torch.long, device=dev)
     parts = []
-    plain = [i for i, k in enumerate(ks) if not k]
     if plain:
-        own, at = [seqs[i] for i in plain], on_device(plain, dev, torch.long)
-        picked = logprobs[on_device([firsts[i] for i in plain], dev, torch.long)]
+        own = [seqs[i] for i in plain]
+        picked = logprobs[plain_rows]
         tokens, flight.faults = draw(e, own, picked, [seq.output for seq in own], drawn_before(own, before))
         packed, flight.n_top = pack(own, picked, tokens)
-        flight.tokens.index_copy_(0, at, tokens)
+        flight.tokens.index_copy_(0, plain_at, tokens)
         parts.append(packed.flatten())
-    judged = [i for i, k in enumerate(ks) if k]
     if judged:
-        parts += judge_ahead(flight, judged, logprobs, firsts)
+        parts += judge_ahead(flight, judged, logprobs, firsts, judged_at, judged_rows)
     slack = [seq.unsure for seq in seqs]  # (the most `offsets` can be)
     for seq, start, n in spans:  # booked as though no draft were kept: the landing adds those that are
         seq.computed, seq.unsure = start + 1, seq.unsure + n - 1
@@ -102,59 +112,36 @@ def launch_drafted(e: Engine, batch: list[tuple[Sequence, int]], before: Flight 
     return flight
 
 
-def kept_before(seqs: list[Sequence], before: Flight | None, dev: torch.device) -> torch.Tensor:
-    """The drafts `before` keeps of each of `seqs`, on the device (0 where it has none)."""
-    if before is None or before.kept is None:
-        return torch.zeros(len(seqs), dtype=torch.long, device=dev)
-    picked = [before.rows.get(id(seq), len(before.seqs)) for seq in seqs]  # (past the end: a 0)
-    return torch.cat([before.kept, before.kept.new_zeros(1)])[on_device(picked, dev, torch.long)]
-
-
-def inputs_ahead(spans: list[tuple[Sequence, int, int]], before: Flight | None, dev: torch.device) -> torch.Tensor:
-    """A drafted step's inputs on the device: the tokens and drafts a step from the host would
-    feed (speculative.fed_tokens), each pending token that `before` drew or judged last (a
-    placeholder on the host) put in from there."""
-    fed = fed_tokens(spans, dev)
-    if before is not None:
-        into, src, at = [], [], 0
-        for seq, _, n in spans:
-            if id(seq) in before.rows:
-                into.append(at)
-                src.append(before.rows[id(seq)])
-            at += n
-        if into:
-            fed.index_copy_(0, on_device(into, dev, torch.long), before.tokens[on_device(src, dev, torch.long)])
-    return fed
-
-
-def judge_ahead(flight: Flight, judged: list[int], logprobs: torch.Tensor, firsts: list[int]) -> list[torch.Tensor]:
-    """Judge the drafts of `flight`'s sequences at `judged` on the device: each one's kept
-    count and last token into the flight; what the host needs of them (the counts, the last
-    tokens, every draft) returned for the copy. If judging them together fails, each is
-    judged alone, so that a failure is the one sequence's (it ends at the landing)."""
+def judge_ahead(flight: Flight, judged: list[int], logprobs: torch.Tensor, firsts: list[int],
+                judged_at: torch.Tensor, judged_rows: torch.Tensor) -> list[torch.Tensor]:
+    """Judge the drafts of `flight`'s sequences at `judged` (on the device: `judged_at`, their
+    rows `judged_rows`): each one's kept count and last token into the flight; what the host
+    needs of them (the counts, the last tokens, every draft) returned for the copy. If judging
+    them together fails, each is judged alone, so that a failure is the one sequence's (it
+    ends at the landing)."""
     dev, seqs, ks = logprobs.device, flight.seqs, flight.ks
     try:
         with stage("speculative decoding"):
-            results = [judged_on_device(logprobs[rows_of(judged, ks, firsts, dev)], [seqs[i] for i in judged])]
+            results = [judged_on_device(logprobs[judged_rows], [seqs[i] for i in judged])]
     except SequenceFault:
         results = []
         for i in judged:
             try:
                 with stage("speculative decoding"):
-                    results.append(judged_on_device(logprobs[rows_of([i], ks, firsts, dev)], [seqs[i]]))
+                    results.append(judged_on_device(logprobs[on_device(rows_of([i], ks, firsts), dev, torch.long)],
+                                                    [seqs[i]]))
             except SequenceFault as fault:
                 flight.faults[seqs[i]] = fault
                 results.append(tuple(torch.zeros(size, dtype=torch.long, device=dev) for size in (1, 1, ks[i])))
     n, last, d = (torch.cat(parts) for parts in zip(*results))
-    order = on_device(judged, dev, torch.long)
-    flight.kept.index_copy_(0, order, n)
-    flight.tokens.index_copy_(0, order, last)
+    flight.kept.index_copy_(0, judged_at, n)
+    flight.tokens.index_copy_(0, judged_at, last)
     return [torch.cat([n, last, d]).double()]
 
 
-def rows_of(picked: list[int], ks: list[int], firsts: list[int], dev: torch.device) -> torch.Tensor:
+def rows_of(picked: list[int], ks: list[int], firsts: list[int]) -> list[int]:
     """The rows (pending token and drafts) of the spans at `picked`, in order."""
-    return on_device([firsts[i] + j for i in picked for j in range(ks[i] + 1)], dev, torch.long)
+    return [firsts[i] + j for i in picked for j in range(ks[i] + 1)]
 
 
 def catch_up(d: Drafter, spans: list[tuple[Sequence, int, int]], fed: torch.Tensor, hidden: torch.Tensor,
@@ -172,19 +159,19 @@ def catch_up(d: Drafter, spans: list[tuple[Sequence, int, int]], fed: torch.Tens
             nexts.append(i)
         runs.append((start, n + (drafts and not mtp), seq.blocks))
     starts = list(accumulate((r for _, r, _ in runs[:-1]), initial=0))  # each span's first row
-    picked = on_device(nexts, dev, torch.long) if nexts else None
+    firsts, picked, into, run_span = all_on_device([
+        starts, nexts, [] if mtp else [first + j for first, (_, _, n) in zip(starts, spans) for j in range(n)],
+        [i for i, (_, r, _) in enumerate(runs) for _ in range(r)]], dev)
     if mtp:  # (at position i, the token at i + 1: the next one fed, or after the last kept, the judged one)
-        at = on_device(starts, dev, torch.long) + flight.kept
+        at = firsts + flight.kept
         tokens = fed.roll(-1).index_copy_(0, at, flight.tokens)
     else:  # (the tokens fed, and for those drafting next the judged one in the row after the kept drafts)
-        at = on_device(starts, dev, torch.long) + flight.kept + 1
-        into = [first + j for first, (_, _, n) in zip(starts, spans) for j in range(n)]
+        at = firsts + flight.kept + 1
         tokens = torch.zeros(sum(r for _, r, _ in runs), dtype=torch.long, device=dev)
-        tokens.index_copy_(0, on_device(into, dev, torch.long), fed)
+        tokens.index_copy_(0, into, fed)
         if nexts:
             tokens.index_copy_(0, at[picked], flight.tokens[picked])
-    shift = offsets[on_device([i for i, (_, r, _) in enumerate(runs) for _ in range(r)], dev, torch.long)]
-    x, logits = d.run(hidden if mtp else None, tokens, runs, shift)
+    x, logits = d.run(hidden if mtp else None, tokens, runs, offsets[run_span])
     if not nexts:
         return
     rows = at[picked]

@@ -45,7 +45,7 @@ import torch
 
 from preload.worker.engine.cuda_graphs import DecodeGraphs
 from preload.worker.engine.faults import SequenceFault, stage
-from preload.worker.model.host_values import on_device
+from preload.worker.model.host_values import all_on_device, on_device
 from preload.worker.engine.sampler import distributions, draw, sample_rows
 from preload.worker.engine.sequence import Sequence
 from preload.worker.model.kv_cache import AttentionMeta
@@ -141,19 +141,24 @@ def judged_on_device(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Te
     dev, ks = rows.device, [len(seq.drafts) for seq in seqs]
     firsts = list(accumulate((k + 1 for k in ks[:-1]), initial=0))  # each sequence's first row
     before = list(accumulate(ks[:-1], initial=0))  # each sequence's drafts before its own
-    chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
-    at = on_device([f + j for f, k in zip(firsts, ks) for j in range(k)], dev, torch.long)  # the rows judging a draft
-    d = drafts_on_device(seqs, dev)
-    kept = chosen[at] == d
     drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    mine = accumulate((ks[i] + 1 for i in drawn[:-1]), initial=0)  # each drawn one's first row among theirs
+    runs = draft_runs([(seq, 0, k) for seq, k in zip(seqs, ks)])
+    at, flag_rows, flag_cols, first, own, judging, theirs, *values = all_on_device([
+        [f + j for f, k in zip(firsts, ks) for j in range(k)],  # the rows judging a draft
+        [i for i, k in enumerate(ks) for _ in range(k)], [j for k in ks for j in range(k)],  # each draft's flag
+        firsts,
+        # The drawn ones' rows alone ([Rs, V]), in order; `judging`: where their drafts' rows are
+        # among them; `theirs`: their drafts in `kept`.
+        [firsts[i] + j for i in drawn for j in range(ks[i] + 1)],
+        [f + j for f, i in zip(mine, drawn) for j in range(ks[i])],
+        [before[i] + j for i in drawn for j in range(ks[i])]] + [v for _, v in runs], dev)
+    chosen = rows.argmax(-1)  # each row's token: greedy rows' now, sampled rows' below
+    d = joined(runs, values)  # every draft, in order
+    kept = chosen[at] == d
     if drawn:
-        # Their rows alone ([Rs, V]), in order; `judging`: where their drafts' rows are among them.
-        own = on_device([firsts[i] + j for i in drawn for j in range(ks[i] + 1)], dev, torch.long)
-        mine = accumulate((ks[i] + 1 for i in drawn[:-1]), initial=0)  # each one's first row among them
-        judging = on_device([f + j for f, i in zip(mine, drawn) for j in range(ks[i])], dev, torch.long)
         p = distributions(rows[own].float(), [seqs[i].params for i in drawn for _ in range(ks[i] + 1)])
         noise, u = torch.empty_like(p).exponential_(), torch.rand(len(judging), device=dev)
-        theirs = on_device([before[i] + j for i in drawn for j in range(ks[i])], dev, torch.long)  # in `kept`
         q = torch.stack([q for i in drawn for q in seqs[i].draft_probs]).to(p)
         pd, dd = p[judging], d[theirs][:, None]
         residual = (pd - q).clamp_(min=0)
@@ -162,10 +167,9 @@ def judged_on_device(rows: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Te
         chosen = chosen.index_put((own,), draw(p, noise))
         kept = kept.index_put((theirs,), u * q.gather(1, dd)[:, 0] < pd.gather(1, dd)[:, 0])
     flags = torch.zeros(len(seqs), max(ks, default=0) + 1, dtype=torch.long, device=dev)  # (a last 0: none past k)
-    flags[on_device([i for i, k in enumerate(ks) for _ in range(k)], dev, torch.long),
-          on_device([j for k in ks for j in range(k)], dev, torch.long)] = kept.long()
+    flags[flag_rows, flag_cols] = kept.long()
     n = flags.cumprod(-1).sum(-1)  # the drafts kept: those before the first refused
-    return n, chosen[on_device(firsts, dev, torch.long) + n], d
+    return n, chosen[first + n], d
 
 
 def judged_together(verifying: list[tuple[Sequence, int]], logprobs: torch.Tensor) -> dict[int, list[int]]:
@@ -187,7 +191,8 @@ def judged_together(verifying: list[tuple[Sequence, int]], logprobs: torch.Tenso
 def drafts_on_device(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
     """Every draft of `seqs`, in order, as one tensor on the device: those the drafter left
     there gathered where they lie, the host's copied in, none waited for."""
-    return gathered([(seq, 0, len(seq.drafts)) for seq in seqs], device)
+    runs = draft_runs([(seq, 0, len(seq.drafts)) for seq in seqs])
+    return joined(runs, all_on_device([v for _, v in runs], device))
 
 
 def fed_tokens(spans: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
@@ -205,25 +210,31 @@ def fed_tokens(spans: list[tuple[Sequence, int, int]], device: torch.device) -> 
         at += range(len(host), len(host) + end - known - lo)
         host += [0] * (end - known - lo)
         ranges.append((seq, lo, end - known))
-    tokens = on_device(host, device, torch.long)
-    if at:
-        tokens[on_device(at, device, torch.long)] = gathered(ranges, device)
+    runs = draft_runs(ranges)
+    tokens, at, *values = all_on_device([host, at] + [v for _, v in runs], device)
+    if len(at):
+        tokens[at] = joined(runs, values)
     return tokens
 
 
-def gathered(ranges: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
-    """Drafts lo..hi-1 of each (sequence, lo, hi), in order, on the device: a gather per run
-    of those left in one tensor (one, for a step's drafts), a copy per run of host ones."""
-    parts: list[tuple[torch.Tensor | None, list[int]]] = []  # (the tensor, indices in it), or (None, host values)
+def draft_runs(ranges: list[tuple[Sequence, int, int]]) -> list[tuple[torch.Tensor | None, list[int]]]:
+    """The drafts lo..hi-1 of each (sequence, lo, hi), in order, as runs of (the tensor the
+    drafter left them in, their indices there), or (None, their values) for the host's."""
+    runs: list[tuple[torch.Tensor | None, list[int]]] = []
     for seq, lo, hi in ranges:
         flat, values = seq.draft_at if seq.draft_at is not None else (None, seq.drafts)
-        if parts and parts[-1][0] is flat:
-            parts[-1][1].extend(values[lo:hi])
+        if runs and runs[-1][0] is flat:
+            runs[-1][1].extend(values[lo:hi])
         else:
-            parts.append((flat, list(values[lo:hi])))
-    out = [on_device(v, device, torch.long) if flat is None else flat[on_device(v, device, torch.long)]
-           for flat, v in parts]
-    return torch.cat(out) if len(out) != 1 else out[0]  # (never empty: judged sequences have drafts)
+            runs.append((flat, list(values[lo:hi])))
+    return runs
+
+
+def joined(runs: list[tuple[torch.Tensor | None, list[int]]], values: list[torch.Tensor]) -> torch.Tensor:
+    """`draft_runs`' drafts on the device, given each run's list there (`values`): a gather
+    per run left on the device (one, for a step's drafts)."""
+    out = [v if flat is None else flat[v] for (flat, _), v in zip(runs, values)]
+    return torch.cat(out) if len(out) != 1 else out[0]
 
 
 def resolve(seqs: list[Sequence], values: list[int]) -> None:
@@ -254,6 +265,9 @@ class Reach:
         return cls([seq.computed - shift for seq in seqs], [0] * len(seqs))
 
     def of(self, picked: list[int]) -> Reach:
+        """The reach of the sequences at `picked`."""
+        if picked == list(range(len(self.bases))):  # (all of them, as a chain's steps mostly are: no copy)
+            return self
         offsets = self.offsets
         if offsets is not None:
             offsets = offsets[on_device(picked, offsets.device, torch.long)]
@@ -408,10 +422,12 @@ class Drafter:
         room = [n for n, (seq, pos, slack) in enumerate(zip(seqs, at, reach.slack)) if self.room(seq, pos + slack)]
         if not room:
             return None
-        keep = on_device(room, self.device, torch.long)
-        x = x[keep] if x is not None else None
-        tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
-        shift = reach.offsets[keep] if reach.offsets is not None else None
+        shift = reach.offsets
+        if len(room) < len(seqs):  # (mostly every one has: nothing to pick)
+            keep = on_device(room, self.device, torch.long)
+            x = x[keep] if x is not None else None
+            tokens = tokens[keep] if isinstance(tokens, torch.Tensor) else [tokens[n] for n in room]
+            shift = shift[keep] if shift is not None else None
         return (room, *self.run(x, tokens, [(at[n], 1, seqs[n].blocks) for n in room], shift))
 
     @staticmethod

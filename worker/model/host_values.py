@@ -19,6 +19,13 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def all_on_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Index lists as int64 tensors on `device`, in one copy (each a view of one tensor):
+    every copy is a launch and a handful of host operations, and a step sends dozens."""
+    flat = [v for values in lists for v in values]
+    return list(on_device(flat, device, torch.long).split([len(values) for values in lists]))
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor's copy on `device`, queued in the stream's order (no wait on a GPU)."""
     if device.type != "cuda":
