@@ -2,7 +2,8 @@
 ahead (--drafts-ahead) and one step at a time: on the CPU, the bundled model, its CUDA graphs
 stood in for (tests/graphs_on_cpu.py) and their replays skipped, so that what is counted is
 the host's own work around them (every operation costs a dispatch, and on a GPU a launch: a
-few microseconds each). A probe, not product.
+few microseconds each), and the small copies of host values to the device among them (on a
+GPU each is also a page-locked staging copy: host_values.to_device). A probe, not product.
 
     python3 scripts/probe_step_ops.py > ops.json
 """
@@ -24,6 +25,7 @@ from preload.options import EngineOptions  # noqa: E402
 from preload.worker.engine.pipeline import StepPipeline  # noqa: E402
 from preload.worker.engine.sampling_params import SamplingParams  # noqa: E402
 from preload.worker.engine.sequence import Sequence  # noqa: E402
+from preload.worker.model import host_values  # noqa: E402
 
 STEPS = 10  # counted, after 8 that fill the drafts and capture the buckets
 
@@ -66,12 +68,22 @@ def count(llm: LLM, config: EngineOptions, batch: int) -> dict:
             engine.add(Sequence([5 + i, 6, 7, 8], SamplingParams(max_tokens=STEPS * 10, ignore_eos=True)))
         for _ in range(8):
             engine.step()
-        counting = Counting()
+        counting, copies = Counting(), [0]
+        copying = host_values.to_device
+
+        def counted(host, device):
+            copies[0] += 1
+            return copying(host, device)
+
+        for module in [m for name, m in sys.modules.items() if name.startswith("preload.")]:
+            if getattr(module, "to_device", None) is copying:  # (every module's name for it)
+                patches.setattr(module, "to_device", counted)
         with counting:
             for _ in range(STEPS):
                 engine.step()
         top = sorted(counting.ops.items(), key=lambda item: -item[1])[:10]
-        return {"ops_per_step": sum(counting.ops.values()) / STEPS, "top": {k: v / STEPS for k, v in top}}
+        return {"ops_per_step": sum(counting.ops.values()) / STEPS, "copies_per_step": copies[0] / STEPS,
+                "top": {k: v / STEPS for k, v in top}}
     finally:
         patches.undo()
 
@@ -86,7 +98,8 @@ def main() -> dict:
                 for ahead in (False, True):
                     label = f"{method} k={k} batch={batch} {'ahead' if ahead else 'one at a time'}"
                     out[label] = count(llm, speculating(replace(base, drafts_ahead=ahead), method, k), batch)
-                    print(f"{label}: {out[label]['ops_per_step']:.0f} ops a step", file=sys.stderr)
+                    print(f"{label}: {out[label]['ops_per_step']:.0f} ops, {out[label]['copies_per_step']:.1f} "
+                          "copies to the device a step", file=sys.stderr)
     return out
 
 
