@@ -116,7 +116,9 @@ class LLM:
         spec = SpecConfig.parse(config.speculative_config)
         graphs = prompt_graphs = draft_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            layout = (config.block_size, config.kv_cache_dtype, config.speculative_config)
+            # (drafts ahead: graphs that move their rows on by a shift: cuda_graphs.shift_rows)
+            layout = (config.block_size, config.kv_cache_dtype, config.speculative_config,
+                      config.drafts_ahead and spec is not None)
             if self.graphs is None or self._graph_layout != layout or not self._graphs_follow_the_cache(draft):
                 self.graphs, self.draft_graphs = self._decode_graphs(config, spec, draft)
                 self._graph_layout = layout

@@ -125,7 +125,9 @@ def test_drafted_steps_are_launched_ahead_with_the_greedy_tokens_of_plain_decodi
     """--drafts-ahead (drafts_ahead.py): verify steps launched while the step before flies,
     their rows moved on on the device by the drafts that step keeps; the greedy outputs of
     plain decoding at batch 16, and (drafts counted once verified) the draft model twin's
-    drafts nearly all kept, as one step at a time keeps them."""
+    drafts nearly all kept, as one step at a time keeps them. Its graphs are captured anew
+    (they shift their rows), not those of an engine before it without --drafts-ahead; with
+    3 drafts the drafter fills its graphs three times a step."""
     from preload.worker.engine import drafts_ahead, pipeline
 
     launches, launch = [0, 0], drafts_ahead.launch_drafted  # (from the host, while another flew)
@@ -135,7 +137,9 @@ def test_drafted_steps_are_launched_ahead_with_the_greedy_tokens_of_plain_decodi
         return launch(e, batch, before)
 
     monkeypatch.setattr(pipeline, "launch_drafted", counting)
-    llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(2, method, drafts_ahead=True))
+    llm = LLM(BUNDLED_MODEL, device="cuda", engine=spec(3, method))
+    llm.generate(prompts(2), max_tokens=8, ignore_eos=True)
+    llm.start_engine(spec(3, method, drafts_ahead=True))
     want = plain.generate(prompts(16), max_tokens=40, logprobs=5, ignore_eos=True)
     assert_same_greedy(llm.generate(prompts(16), max_tokens=40, ignore_eos=True), want, ONE_ULP)
     assert launches[1] >= 5 and launches[1] > launches[0], launches
