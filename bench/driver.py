@@ -66,10 +66,11 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def preload(*args, timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run the real `preload` command line; never on a terminal (no progress bar)."""
+def preload(*args, timeout: float = COMMAND_TIMEOUT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real `preload` command line; never on a terminal (no progress bar); `env`:
+    set in its environment, beside ours."""
     return subprocess.run([*COMMAND, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=None if env is None else os.environ | env)
 
 
 def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:

@@ -5,9 +5,14 @@ imports done, worker started, weights attached, first step, KV cache, ready, its
 ready; on a GPU host whose cache held only the list, the zygote's kernels compiled ahead), from a real `preload start --workers 1`, in time order, kept in the JSON and printed
 under the table; then its first request's: when the bench sent it, the core's first steps,
 when it was answered. A first start (which fills the kernel cache the warm starts after it
-use) is stopped only once its worker has nothing left to capture or compile while idle."""
+use) is stopped only once its worker has nothing left to capture or compile while idle. A
+first start on a cache that an image's build filled from that list is timed too."""
 
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from preload import BUNDLED_MODEL
 from preload.bench import cold
@@ -38,3 +43,22 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     summary = cold.summarize_starts([run], warm_s=1.0, first_s=1.0)
     assert summary["worker_log"] == run.worker_log
     assert summary["first_request_s"]["p50"] == run.first_request_s
+
+
+def test_a_first_start_on_a_list_compiled_as_an_image_build_compiles_it_without_a_gpu_first(tmp_path, monkeypatch):
+    """The fresh host deploy/Dockerfile makes: `preload kernels compile` (no GPU visible) fills
+    an empty cache from the list a first start recorded, timed apart, then the start."""
+    pytest.importorskip("triton")
+    from kernel_specs import CASES, rms_norm_spec
+
+    from preload.kernels import ahead
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (compiled for real)
+    recorded = tmp_path / "first-start"
+    recorded.mkdir()
+    specs = [rms_norm_spec(add, block)[0] for add, block in CASES]
+    ahead.list_path(recorded).write_text(json.dumps({"kernels": {ahead.entry_digest(s): s for s in specs}}))
+    run = cold.listed_start(BUNDLED_MODEL, "none", "cpu", 1, recorded, compiled=True)
+    assert run["imaged"] and run["compile_s"] > 0
+    assert f"compiled {len(specs)} of {len(specs)} kernels" in run["compile_said"], run["compile_said"]
+    assert run["start_to_ready_s"] > 0 and 0 < run["first_request_s"] < 60
