@@ -278,13 +278,11 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
                     progress(f"first start, no kernels compiled yet (quant {quant}, recorded apart)")
                     result["first_start"][quant] = asdict(run_start(model, quant, device, workers, settled=True))
                     if ahead.list_path(kernels).exists():  # (GPU workers record one)
-                        progress(f"first start on a cache holding only the list the first recorded (quant {quant})")
-                        result["first_start"][f"{quant} listed"] = listed_start(model, quant, device, workers,
-                                                                                Path(kernels))
-                        progress(f"first start on a cache that list was compiled into first, as an image's build"
-                                 f" does (quant {quant})")
-                        result["first_start"][f"{quant} imaged"] = listed_start(model, quant, device, workers,
-                                                                                Path(kernels), compiled=True)
+                        for kind, said in (("listed", "holding only the list the first recorded"),
+                                           ("imaged", "that list was compiled into first, as an image's build does")):
+                            progress(f"first start on a cache {said} (quant {quant})")
+                            result["first_start"][f"{quant} {kind}"] = listed_start(
+                                model, quant, device, workers, Path(kernels), compiled=kind == "imaged")
                 for run in result["first_start"].values():
                     run["ratio_ready_over_cat"] = run["start_to_ready_s"] / result["cat_files"]["p50"]
             elif warmup and quants:
@@ -327,11 +325,9 @@ def run_cold(model: Path, quants: list[str], repeat: int = 3, device: str = "aut
 
 
 def listed_start(model: Path, quant: str, device: str, workers: int, cache: Path, compiled: bool = False) -> dict:
-    """A first start whose kernel cache holds only the list of kernels that `cache`'s first
-    start recorded, as a copied list brings it: the zygote compiles them beside the load
-    (kernels/ahead.py), the first worker waits for them instead of compiling. `compiled`:
-    the list compiled into the cache first by `preload kernels compile` with no GPU visible,
-    as deploy/Dockerfile's build does (its seconds apart: the image's build, not the start)."""
+    """A first start whose kernel cache holds only the list `cache`'s first start recorded
+    (the zygote compiles them beside the load: kernels/ahead.py); `compiled`: the list compiled
+    in first by `preload kernels compile`, no GPU visible, as deploy/Dockerfile's build does."""
     with tempfile.TemporaryDirectory(prefix="preload-bench-listed-") as listed:
         shutil.copy(ahead.list_path(cache), ahead.list_path(listed))
         os.environ[KERNEL_CACHE_ENV] = listed
@@ -340,8 +336,8 @@ def listed_start(model: Path, quant: str, device: str, workers: int, cache: Path
             if compiled:
                 t0 = time.perf_counter()
                 done = preload("kernels", "compile", timeout=SETTLE_TIMEOUT, env={"CUDA_VISIBLE_DEVICES": ""})  # (no GPU)
-                if done.returncode not in (0, 3):  # (3: some kernels left to the JIT, as the Dockerfile allows)
-                    raise RuntimeError(f"preload kernels compile exited {done.returncode}: {done.stdout}{done.stderr}")
+                if done.returncode not in (0, 3):  # (3: some left to the JIT, as the Dockerfile allows)
+                    raise RuntimeError(f"kernels compile exited {done.returncode}: {done.stdout}{done.stderr}")
                 extra = {"imaged": True, "compile_s": time.perf_counter() - t0, "compile_said": done.stdout.strip()}
             return asdict(run_start(model, quant, device, workers)) | extra
         finally:
