@@ -194,7 +194,7 @@ class DecodeGraphs:
         """The next host buffers in turn whose last copy out is done: a new one while each is
         still queued and the ring has room, else the oldest once its copy is done."""
         turn = self._turn
-        if len(self.host) == turn or (not self.host[turn][2].query() and len(self.host) < self.turns):
+        if not self.host or (not self.host[turn][2].query() and len(self.host) < self.turns):
             n = self.ids.shape[1]
             self.host.insert(turn, (torch.zeros(4, n, dtype=torch.long).pin_memory(),
                                     torch.zeros(n, self.width, dtype=torch.int32).pin_memory(), torch.cuda.Event()))

@@ -340,13 +340,13 @@ class Drafter:
         tokens = [t for seq, start, r, _, _ in catch for t in seq.tokens(start + shift, start + shift + r)]
         h = torch.cat([hidden[off : off + r] for _, _, r, off, _ in catch]) if self.mtp else None
         x, logits = self.run(h, tokens, [(start, r, seq.blocks) for seq, start, r, _, _ in catch])
-        # (indices sent without a wait: a pageable copy would wait for the steps queued)
-        ends = on_device([r for _, _, r, _, _ in catch], self.device, torch.long).cumsum(0) - 1
         picks = [i for i, entry in enumerate(catch) if entry[4]]
         if not picks:
             return
         seqs = [catch[i][0] for i in picks]
-        last = ends[on_device(picks, self.device, torch.long)]
+        # (indices sent in one copy without a wait: a pageable copy would wait for the steps queued)
+        counts, picked = all_on_device([[r for _, _, r, _, _ in catch], picks], self.device)
+        last = (counts.cumsum(0) - 1)[picked]
         x, logits = (x[last] if x is not None else None), logits[last]
         if self.shape is None:
             self.chain(seqs, x, logits, Reach.known(seqs, shift))
