@@ -151,6 +151,9 @@ def start_daemon(state_dir: Path, model: Path | None, *extra, port: int | None =
         tail = _logs_tail(Path(state_dir))  # (before the stop: what it was waiting for)
         stop_everything(state_dir)
         raise DaemonError(f"preload start not ready within {timeout:.0f} s:\n{tail}") from None
+    except BaseException:  # (interrupted: Ctrl-C, or SIGTERM as cli/bench.py has it) the daemon is detached
+        stop_everything(state_dir)
+        raise
     match = re.search(r"\(pid (\d+)\)", result.stdout)
     if result.returncode != 0 or not match:
         stop_everything(state_dir)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 
 import json
+import signal
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,6 +95,14 @@ def chosen_models(small: Path | None, large: Path | None, no_small: bool, no_lar
 @click.group()
 def bench() -> None:
     """Benchmarks: print a table, write JSON."""
+    # `timeout`, a job's runner or a kill stops a run with SIGTERM, which by default ends
+    # Python where it stands: the daemons it started (detached, their own sessions) would
+    # run on, holding the GPU. As an exit instead, the `finally`s on the way out stop them.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    sys.exit(128 + signum)
 
 
 @bench.command()

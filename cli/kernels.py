@@ -74,6 +74,9 @@ def compile_command(lists, state_dir, processes):
             recorder.add(spec)
     click.echo(f"compiled {done.kernels - len(done.failed)} of {done.kernels} kernels into {cache} in"
                f" {done.seconds:.1f} s ({done.processes} processes)")
+    if done.host_code:
+        click.echo(f"their launchers not built here ({done.host_code}): a first start on a GPU host builds them"
+                   " while it loads")
     for why in done.failed.values():
         click.echo(f"  not compiled: {why}", err=True)
     sys.exit(SOME_FAILED if done.failed else 0)

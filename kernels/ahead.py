@@ -15,7 +15,8 @@ argument types, constexprs, alignment attributes, options, target). So:
   writes nothing.
 - `compile_list(entries)`: processes forked from this one (the kernel modules imported
   once, before the fork) compile their share into the kernel cache, as the JIT would at
-  a first launch: the same cache key, so the JIT then finds them. No GPU is needed, only
+  a first launch: the same cache key, so the JIT then finds them; and where the host can,
+  the C host code that launch would build too (host_code.py). No GPU is needed, only
   the target each entry names: `preload kernels compile` runs it in an image build or an
   init container, from a list a GPU host recorded.
 
@@ -41,6 +42,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from preload.kernels import host_code
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +210,7 @@ class Compiled:
     failed: dict[str, str]  # {spec: "name: why"} for each entry that did not compile
     processes: int
     seconds: float
+    host_code: str | None = None  # why Triton's launchers and driver helpers were not built with them (host_code.py)
 
 
 def compile_list(specs: list[str], processes: int | None = None) -> Compiled:
@@ -224,18 +228,19 @@ def compile_list(specs: list[str], processes: int | None = None) -> Compiled:
             importlib.import_module(module)
         except ImportError:
             pass  # (each of its entries fails alone, saying so)
-    failed = dict(refused)
+    failed, why = dict(refused), host_code.unbuildable()
     context = multiprocessing.get_context("fork")  # (no CUDA here: compiling needs none)
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        futures = [pool.submit(compile_share, specs[part::processes]) for part in range(processes)]
+        futures = [pool.submit(compile_share, specs[part::processes], why is None, why is None and part == 0)
+                   for part in range(processes)]
         for part, future in enumerate(futures):
             try:
                 failed |= future.result()
             except Exception as e:  # noqa: BLE001 (a process that died: its share left to the JIT)
                 failed |= {s: f"{name_of(s)}: {type(e).__name__}: {e}" for s in specs[part::processes]}
-    done = Compiled(len(specs) + len(refused), failed, processes, time.monotonic() - t0)
-    log.info("compiled %d kernels in %d processes in %.2f s (%d failed)", done.kernels, processes, done.seconds,
-             len(failed))
+    done = Compiled(len(specs) + len(refused), failed, processes, time.monotonic() - t0, why)
+    log.info("compiled %d kernels in %d processes in %.2f s (%d failed)%s", done.kernels, processes, done.seconds,
+             len(failed), "" if why is None else f"; their launchers not built here: {why}")
     return done
 
 
@@ -264,7 +269,7 @@ def fork_compiles(specs: list[str], processes: int) -> tuple[list[int], int]:
     an executor's threads: for a process that forks workers, the zygote), each its share;
     a child exits 1 if any of its share failed (said on stderr). Their pids, and the read
     end of a pipe whose write end only they hold: at its EOF every one has exited."""
-    pids, (ready, held) = [], os.pipe()
+    pids, (ready, held), why = [], os.pipe(), host_code.unbuildable()
     for part in range(max(1, min(processes, len(specs)))):
         pid = os.fork()
         if pid == 0:
@@ -274,15 +279,17 @@ def fork_compiles(specs: list[str], processes: int) -> tuple[list[int], int]:
                 # the daemon) is not a compiler's: one that outlives it must not keep a port bound.
                 os.closerange(3, held)
                 os.closerange(held + 1, os.sysconf("SC_OPEN_MAX"))
-                failed = compile_share(specs[part::processes])
-                for why in failed.values():
-                    print(f"kernel not compiled ahead: {why}", file=sys.stderr)
+                failed = compile_share(specs[part::processes], why is None, why is None and part == 0)
+                for reason in failed.values():
+                    print(f"kernel not compiled ahead: {reason}", file=sys.stderr)
                 code = int(bool(failed))
             finally:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
     os.close(held)
+    if why is not None:
+        print(f"kernels compiled ahead without their launchers: {why}", file=sys.stderr)
     return pids, ready
 
 
@@ -386,21 +393,28 @@ def ours(spec: str) -> bool:
     return name_of(spec).startswith(PACKAGE + ".")
 
 
-def compile_share(specs: list[str]) -> dict[str, str]:
-    """In a forked process: compile each spec; {spec: "name: why"} for those that failed."""
+def compile_share(specs: list[str], launchers: bool = False, helpers: bool = False) -> dict[str, str]:
+    """In a forked process: compile each spec (and build its launcher, and first Triton's
+    driver helpers: host_code.py); {spec: "name: why"} for those that failed."""
+    if helpers:
+        try:
+            host_code.build_driver_helpers()
+        except Exception as e:  # noqa: BLE001 (a first launch builds them, and says a real fault)
+            print(f"Triton's driver helpers not built ahead: {type(e).__name__}: {e}"[:500], file=sys.stderr)
     failed = {}
     for spec in specs:
         try:
-            compile_spec(spec)
+            compile_spec(spec, launchers)
         except Exception as e:  # noqa: BLE001 (the JIT compiles it at its first launch, and says a real fault)
             failed[spec] = f"{name_of(spec)}: {type(e).__name__}: {e}"[:500]
     return failed
 
 
-def compile_spec(spec: str) -> None:
+def compile_spec(spec: str, launcher: bool = False) -> None:
     """Compile one specialization JSON into the kernel cache as the JIT would at the
     kernel's first launch (the same source, signature, constexprs, attributes, options
-    and target: the same cache key)."""
+    and target: the same cache key); with `launcher`, build its launcher as that launch
+    would (host_code.py)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -432,7 +446,10 @@ def compile_spec(spec: str) -> None:
     # (libdevice's path on the recording host: here Triton fills in its own, which the cache key
     # hashes by content, so a list recorded under another install compiles to the same keys)
     options = {k: tupled(v) for k, v in d["options"].items() if k != "extern_libs"}
-    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(**d["target"]), options=options)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    kernel = triton.compile(src, target=GPUTarget(**d["target"]), options=options)
+    if launcher and d["target"]["backend"] == "cuda":
+        host_code.build_launcher(src, kernel.metadata)
 
 
 def tupled(v):

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import signal
+import subprocess
 import threading
 
+import psutil
 import pytest
 
 from preload.bench import driver
@@ -72,3 +76,30 @@ def test_bench_restart_end_to_end(tmp_path):
     assert "error" not in model["worker_stages"]
     assert "sigkill-no-zygote" in r.stdout
     assert not [p for p in tmp_path.iterdir() if p.name != "restart.json"]
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_daemons_it_started(tmp_path):
+    """`timeout N preload bench ...` past its time sends SIGTERM: the bench exits 143, and
+    no daemon, zygote or worker it started runs on (a daemon is detached, in its own
+    session: left running, it would hold the GPU for whatever runs next)."""
+
+    def started() -> list[psutil.Process]:  # (their state dirs are under the bench's TMPDIR)
+        return [p for p in psutil.process_iter(["cmdline"]) if p.pid != bench.pid
+                and str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE]
+
+    bench = subprocess.Popen([*driver.COMMAND, "bench", "cold", "--device", "cpu", "--quant", "none", "--repeat", "5",
+                              "--workers", "1", "--json", str(tmp_path / "cold.json")],
+                             env=os.environ | {"TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        daemons = driver.wait_for(lambda: [p for p in started() if "preload daemon" in " ".join(p.cmdline())], 180, 0.1)
+        assert daemons and bench.poll() is None, bench.stderr.read() if bench.poll() is not None else "no daemon"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 128 + signal.SIGTERM
+        assert driver.wait_for(lambda: not started(), 30) is True, [p.info["cmdline"] for p in started()]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        bench.wait()
+        for p in started():
+            p.kill()

@@ -1,6 +1,6 @@
 """A worker's kernels, recorded on the GPU and compiled into an empty cache by `preload
 kernels compile` without a GPU, are every kernel a fresh start then needs: its JIT
-compiles nothing (kernels/ahead.py)."""
+compiles nothing, and no launcher is built (kernels/ahead.py, kernels/host_code.py)."""
 
 import json
 import os
@@ -36,6 +36,12 @@ def kernels_in(cache: Path) -> set[str]:
     return {p.parent.name for p in cache.glob("*/*.cubin")}
 
 
+def host_code_in(cache: Path) -> set[str]:
+    """The C host code Triton built into the cache: its driver's helpers, and a launcher
+    per kernel signature on a Triton that compiles them (kernels/host_code.py)."""
+    return {p.parent.name for p in cache.glob("*/*.so")}
+
+
 def test_kernels_compiled_ahead_without_a_gpu_are_all_a_fresh_start_compiles(tmp_path):
     first = run(["-c", GENERATE], tmp_path / "recorded")
     listed = ahead.read_list(ahead.list_path(tmp_path / "recorded"))
@@ -45,12 +51,14 @@ def test_kernels_compiled_ahead_without_a_gpu_are_all_a_fresh_start_compiles(tmp
     done = run(["-m", "preload.cli.main", "kernels", "compile", str(ahead.list_path(tmp_path / "recorded"))],
                fresh, CUDA_VISIBLE_DEVICES="")
     assert f"compiled {len(listed)} of {len(listed)}" in done.stdout, done.stdout + done.stderr
-    ahead_of_time = kernels_in(fresh)
+    ahead_of_time, built = kernels_in(fresh), host_code_in(fresh)
     assert ahead_of_time == kernels_in(tmp_path / "recorded")
+    assert built == host_code_in(tmp_path / "recorded") and built, sorted(built ^ host_code_in(tmp_path / "recorded"))
 
     again = run(["-c", GENERATE], fresh)
     assert json.loads(again.stdout) == json.loads(first.stdout)
     assert kernels_in(fresh) == ahead_of_time  # (the JIT found every one: none compiled again)
+    assert host_code_in(fresh) == built  # (nor any launcher built again: a C compiler run each, 0.1-1 s)
     assert ahead.read_list(ahead.list_path(fresh)) == listed
 
 

@@ -96,6 +96,47 @@ def test_an_entry_that_cannot_compile_fails_alone_and_foreign_modules_are_refuse
     assert "this" not in sys.modules
 
 
+HOST_CODE = """
+import json, sys
+from triton.backends.nvidia import driver
+from preload.kernels import ahead
+built, helpers = [], []
+class Launcher:  # a Triton that compiles a C launcher per signature (3.6), its compiler stood in for
+    def __init__(self, src, metadata):
+        built.append([src.fn.__name__, list(src.signature), sorted(map(list, src.constants)), metadata.name])
+driver.make_launcher, driver.CudaLauncher, driver.CudaUtils = None, Launcher, lambda: helpers.append(1)
+spec = sys.stdin.read()
+without = ahead.compile_share([spec])
+found = ahead.compile_share([spec], launchers=True, helpers=True)  # (the kernel in the cache now)
+def no_libcuda():
+    raise AssertionError("libcuda.so cannot found!")
+driver.library_dirs = no_libcuda
+def never(src, metadata):
+    raise RuntimeError("a launcher built where it cannot be")
+driver.CudaLauncher = never
+done = ahead.compile_list([spec], processes=1)
+print(json.dumps([without, found, built, len(helpers), done.failed, done.host_code]))
+"""
+
+
+def test_a_kernel_compiled_ahead_has_the_launcher_built_that_its_first_launch_would(cache):
+    """Where Triton builds a C launcher per kernel signature at a kernel's first launch
+    (3.6, with gcc: a fresh host's first worker spent seconds there with every kernel
+    compiled ahead), the launcher is built from the compiled kernel's own source and
+    metadata (the key that launch looks for), with the driver's helpers once; found in the
+    cache, a kernel still gets its launcher. A host without libcuda.so.1 (an image's
+    build) compiles the kernels and says why their launchers were not built."""
+    spec, _, _ = rms_norm_spec(True, 512)
+    r = subprocess.run([sys.executable, "-c", HOST_CODE], input=spec, capture_output=True, text=True, timeout=300,
+                       env=os.environ)
+    assert r.returncode == 0, r.stderr[-2000:]
+    without, found, built, helpers, failed, why = json.loads(r.stdout)
+    assert without == {} and found == {} and failed == {}
+    assert built == [["_rms_norm", list(json.loads(spec)["signature"]), [[11], [12]], "_rms_norm"]] and helpers == 1
+    assert why == "AssertionError: libcuda.so cannot found!"
+    assert len(compiled_in(cache)) == 1
+
+
 def hook_call(recorder: ahead.Recorder, spec: str) -> bool:
     """Triton's call of a jit_cache_hook (keyword arguments; runtime/jit.py _call_hook)."""
     return recorder.hook(key="k", repr="r", fn=None, compile={"key": "k", "specialization_data": spec},
