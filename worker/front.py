@@ -287,8 +287,11 @@ class CoreClient:
                 req.scored = True
             seq.output.extend(out.token_ids)
             req.cleared += len(out.token_ids)
-            if out.finished:
+            if out.finished:  # done: its reader has what it needs. Kept until read, a finished request
+                # looked like one waiting for a core, and the next hello or dispatch sent it again
+                # (a rolling restart's core computed one token past max_tokens, delivered with the last).
                 req.core = None
+                self.requests.pop(out.seq_id, None)
             req.reader.put_nowait(out)
 
     async def _watch(self) -> None:

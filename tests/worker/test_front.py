@@ -139,6 +139,33 @@ def test_a_rolling_restarts_core_takes_over_from_a_live_one(address, want, cores
     assert tokens == want(PROMPT, 120).token_ids and client.cores_lost == 0
 
 
+def test_a_request_finished_but_not_yet_read_is_not_taken_up_by_the_next_core(address, want, cores):
+    """A rolling restart's core says hello after a request's last tokens came but before
+    its reader took them (a busy event loop, a slow client): the request is done, and no
+    core takes it up again. (Kept until read, it once looked like a request waiting for a
+    core: the new core computed one token past max_tokens, delivered with the last ones.)"""
+
+    async def main():
+        client, reader = await serving(address, cores)
+        seq = greedy(PROMPT, 8)
+        stream = client.submit(seq)
+        tokens = list((await stream.__anext__()).token_ids)  # (in; its reader reads nothing more for now)
+        while seq.id in client.requests and client.requests[seq.id].core is not None:
+            await asyncio.sleep(0.01)
+        first = client.core
+        cores.append(await asyncio.to_thread(start_core, address, "restart"))
+        while client.core == first:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # (what the new core would compute for it comes meanwhile)
+        async for out in stream:
+            tokens += out.token_ids
+        reader.cancel()
+        client.close()
+        return tokens
+
+    assert asyncio.run(main()) == want(PROMPT, 8).token_ids
+
+
 def test_a_request_that_kills_every_core_fails_alone(address, want, monkeypatch, cores):
 
     async def main():
