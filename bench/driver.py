@@ -42,13 +42,21 @@ class DaemonError(RuntimeError):
 def free_port() -> int:
     """A port to listen on that nothing holds now, from below the kernel's ephemeral range:
     one from that range (port 0's) may be handed to any process's outgoing connection or
-    listener before ours binds it (a test's daemon once found its API port taken so)."""
+    listener before ours binds it (a test's daemon once found its API port taken so). Test
+    processes side by side (pytest-xdist's workers, and what they start) take theirs from
+    slices of their own: two that chose the same port before either bound it, one failed."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    first = max(1024, low - 16384)
+    runner = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    if runner.isdigit():
+        size = (low - first) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        first += int(runner) * size % (low - first)
+        low = first + size
     for _ in range(100):
-        port = random.randrange(max(1024, low - 16384), low)
+        port = random.randrange(first, low)
         if port_is_free(port):
             return port
     with socket.socket() as s:  # (a crowded range: the kernel's choice)
