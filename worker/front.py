@@ -189,10 +189,8 @@ class CoreClient:
                 finished = out.finished
                 yield out
         finally:
-            if self.requests.get(seq.id) is req:
-                if not finished or req.core is not None:  # (a stop string: the core has not ended it)
-                    self.abort(seq)
-                self.requests.pop(seq.id, None)
+            if self.requests.get(seq.id) is req:  # (its reader left, or a stop string ended it: not its core)
+                self.abort(seq)
             self._kick(dispatch=True)  # (a suspect's end lets the others go)
 
     # ---- the channel ----------------------------------------------------------------------------
@@ -290,7 +288,6 @@ class CoreClient:
             if out.finished:  # done: its reader has what it needs. Kept until read, a finished request
                 # looked like one waiting for a core, and the next hello or dispatch sent it again
                 # (a rolling restart's core computed one token past max_tokens, delivered with the last).
-                req.core = None
                 self.requests.pop(out.seq_id, None)
             req.reader.put_nowait(out)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -84,16 +85,17 @@ def test_a_bench_stopped_by_sigterm_stops_the_daemons_it_started(tmp_path):
     session: left running, it would hold the GPU for whatever runs next)."""
 
     def started() -> list[psutil.Process]:  # (their state dirs are under the bench's TMPDIR)
-        return [p for p in psutil.process_iter(["cmdline"]) if p.pid != bench.pid
-                and str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in psutil.process_iter(["cmdline", "status"]) if p.pid != bench.pid
+                and str(tmp_path) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
 
     bench = subprocess.Popen([*driver.COMMAND, "bench", "cold", "--device", "cpu", "--quant", "none", "--repeat", "5",
                               "--workers", "1", "--json", str(tmp_path / "cold.json")],
                              env=os.environ | {"TMPDIR": str(tmp_path)}, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "bench.err").open("w"))
     try:
-        daemons = driver.wait_for(lambda: [p for p in started() if "preload daemon" in " ".join(p.cmdline())], 180, 0.1)
-        assert daemons and bench.poll() is None, bench.stderr.read() if bench.poll() is not None else "no daemon"
+        daemons = driver.wait_for(lambda: [p for p in started() if "preload daemon" in " ".join(p.info["cmdline"])],
+                                  180, 0.1)
+        assert daemons and bench.poll() is None, (tmp_path / "bench.err").read_text()[-2000:]
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(120) == 128 + signal.SIGTERM
         assert driver.wait_for(lambda: not started(), 30) is True, [p.info["cmdline"] for p in started()]
@@ -102,4 +104,5 @@ def test_a_bench_stopped_by_sigterm_stops_the_daemons_it_started(tmp_path):
             bench.kill()
         bench.wait()
         for p in started():
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
