@@ -26,6 +26,7 @@ from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
 from preload.kernels.moe_align import align_by_expert_triton
 from preload.kernels.moe_prefill import moe_prefill, supported
+from preload.kernels.moe_sum import sum_pairs
 from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
 
@@ -215,9 +216,10 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Weight, up: Weight,
-              down: Weight) -> torch.Tensor:
-    """sum over each token's k experts of weight * down(silu(gate x) * up x); x [T, D],
-    ids and weights [T, k]; gate and up [E, I, D], down [E, D, I] (stack_experts).
+              down: Weight, add: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over each token's k experts of weight * down(silu(gate x) * up x), plus `add`
+    [T, D] if given (the shared experts' output: moe_sum.py adds it in the same pass); x
+    [T, D], ids and weights [T, k]; gate and up [E, I, D], down [E, D, I] (stack_experts).
     e4m3 experts in a prefill take e4m3 activations (fp8_activations): x quantized per token
     and 128 columns, and the SwiGLU output written so by the first GEMM for the second.
     Where experts average 128 pairs or more, moe_prefill.py's kernels (TMA) run instead."""
@@ -226,7 +228,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
     num_experts, inner = (gate.q if isinstance(gate, Fp8Weight) else gate).shape[:2]
     block_m = block_rows(pairs, num_experts)
     if block_m == 128 and supported(gate, up, down, block_m):  # a prefill's thousands of pairs: operands by TMA
-        return moe_prefill(x, ids, weights, gate, up, down, align_by_expert_triton(ids, num_experts, block_m), block_m)
+        return moe_prefill(x, ids, weights, gate, up, down, align_by_expert_triton(ids, num_experts, block_m), block_m,
+                           add=add)
     if isinstance(gate, Fp8Weight):  # (e4m3's prefill tiles: 64 rows, tile_config)
         block_m = min(block_m, 64)
     aligned = align_by_expert_triton(ids, num_experts, block_m)  # one launch; align_by_expert is its reference
@@ -243,4 +246,4 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: W
         h = torch.empty(pairs, inner, dtype=x.dtype, device=x.device)
         _launch(x, gate, h, aligned, pairs, top_k, block_m, w2=up)
         _launch(h, down, y, aligned, pairs, top_k, block_m, route=route, rows_per_pair=True)
-    return y.view(t, top_k, -1).sum(1)
+    return sum_pairs(y, top_k, add)

@@ -5,7 +5,8 @@ the chunking and holds the torch form it is tested against (`mla_prefill_referen
 For each chunk of the flat context order, torch gathers and dequantizes the chunk's
 latents and up-projects them to keys and values (one GEMM, into one buffer reused by
 every chunk); then `_prefill_chunk` runs every query of the batch against the chunk's
-keys of its own sequence. A program takes BLOCK_M consecutive new tokens of one sequence
+keys of its own sequence, their tiles brought by the Hopper's tensor memory accelerator
+(TMA: Triton's tensor descriptors; 8-10% faster than pointer loads). A program takes BLOCK_M consecutive new tokens of one sequence
 and one head (the expanded form's keys differ per head, so heads do not share tiles);
 the query-key dot is two dots, q_nope . k_nope + q_pe . k_pe, since dn + dr (192) is no
 power of two. Only key tiles at or before the tile's last query position are visited;
@@ -24,13 +25,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from preload.kernels.prefill import CHUNK, PrefillPlan, chunk_latents, prefill_plan
 from preload.kernels.triton_dot import INTERPRETING, dot_dtype
 
 # Tiles on the GPU: 128 new tokens x 64 keys, 8 warps, 3 stages: the fastest of those
 # timed on an H200 (a 16k prompt, V2-Lite: 413 TFLOP/s against 358 for 64 x 64, 4
-# warps, 2 stages; 325 for 128 x 32). In the interpreter the smallest tiles a dot takes,
+# warps, 2 stages; 325 for 128 x 32), and with the keys brought by TMA on an H100 the
+# fastest or within 10% at every prompt step's shape swept (2,048 x 1 85.6 us a layer
+# against 95.0 by pointer loads, 8 x 256 34.5 against 38.4; scripts/probe_prefill_attention.py,
+# results/kernels/prefill-attention-tma-h100.json). In the interpreter the smallest tiles a dot takes,
 # so that the tests' small cases span several tiles, and numpy gets through them faster.
 BLOCK_M = 16 if INTERPRETING else 128  # new tokens per program
 BLOCK_N = 16 if INTERPRETING else 64  # keys per step of its loop
@@ -40,24 +45,20 @@ LOG2_E = 1.4426950408889634  # the softmax in base 2: exp2 is the hardware's
 
 
 @triton.jit
-def _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
-            stride_kv, stride_kp, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, PN: tl.constexpr,
-            PR: tl.constexpr, PV: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head, qk_scale,
+            DN: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """BLOCK_N keys from flat index `start` into the running softmax (in base 2). Without
-    CAUSAL every row sees every key of the tile: it lies below the diagonal, inside the range."""
+    CAUSAL every row sees every key of the tile: it lies below the diagonal, inside the range.
+    The tiles come by TMA; rows past the chunk's end come as zeros, and any other row the
+    tile holds beyond k_hi (the next sequence's) is masked out of the scores."""
     key = start + tl.arange(0, BLOCK_N)
-    live_k = key < k_hi
-    row = (key - lo).to(tl.int64)  # its row in the chunk's buffers
-    dn, dr, dv = tl.arange(0, PN), tl.arange(0, PR), tl.arange(0, PV)
-    k_nope = tl.load(kv_ptr + row[:, None] * stride_kv + head + dn[None, :],
-                     mask=live_k[:, None] & (dn < DN)[None, :], other=0.0)
-    k_pe = tl.load(k_pe_ptr + row[:, None] * stride_kp + dr[None, :], mask=live_k[:, None] & (dr < DR)[None, :],
-                   other=0.0)
-    v = tl.load(kv_ptr + row[:, None] * stride_kv + head + DN + dv[None, :], mask=live_k[:, None] & (dv < DV)[None, :],
-                other=0.0)
+    row = (start - lo).to(tl.int32)  # the tile's first row in the chunk's buffers
+    k_nope = kn_desc.load([row, head])
+    k_pe = kp_desc.load([row, 0])
+    v = v_desc.load([row, head + DN])
     s = (tl.dot(q_nope, tl.trans(k_nope.to(DOT))) + tl.dot(q_pe, tl.trans(k_pe.to(DOT)))) * qk_scale
     if CAUSAL:
-        s = tl.where(live_k[None, :] & ((key - k0)[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.where((key < k_hi)[None, :] & ((key - k0)[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
     alpha = tl.exp2(m - m_use)
@@ -74,11 +75,10 @@ def _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_po
 # of a new length compiles nothing. Neither feeds an address's alignment.
 @triton.jit(do_not_specialize=["lo", "hi"])
 def _prefill_chunk(
-    q_nope_ptr, q_pe_ptr, kv_ptr, k_pe_ptr, q_starts_ptr, kv_starts_ptr, lens_ptr,
+    q_nope_ptr, q_pe_ptr, kn_desc, kp_desc, v_desc, q_starts_ptr, kv_starts_ptr, lens_ptr,
     m_ptr, l_ptr, acc_ptr, out_ptr,
     lo, hi, qk_scale,
-    stride_nt, stride_nh, stride_pt, stride_ph, stride_kv, stride_kp, stride_st, stride_at, stride_ah,
-    stride_ot, stride_oh,
+    stride_nt, stride_nh, stride_pt, stride_ph, stride_st, stride_at, stride_ah, stride_ot, stride_oh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, PN: tl.constexpr, PR: tl.constexpr, PV: tl.constexpr,
     FINAL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -123,11 +123,11 @@ def _prefill_chunk(
         # mask. The rest, up to the last query, straddle the diagonal.
         below = tl.maximum(tl.minimum(k_hi, k0 + first + 1) - k_lo, 0) // BLOCK_N * BLOCK_N
         for start in range(k_lo, k_lo + below, BLOCK_N):
-            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
-                                stride_kv, stride_kp, DN, DR, DV, PN, PR, PV, DOT, BLOCK_N, CAUSAL=False)
+            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head,
+                                qk_scale, DN, DOT, BLOCK_N, CAUSAL=False)
         for start in range(k_lo + below, k_hi, BLOCK_N):
-            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kv_ptr, k_pe_ptr, start, lo, k0, k_hi, q_pos, head, qk_scale,
-                                stride_kv, stride_kp, DN, DR, DV, PN, PR, PV, DOT, BLOCK_N, CAUSAL=True)
+            m, l, acc = _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head,
+                                qk_scale, DN, DOT, BLOCK_N, CAUSAL=True)
 
     if FINAL:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -180,14 +180,29 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
     for lo in range(0, total, chunk):
         hi = min(lo + chunk, total)
         c, k_pe = chunk_latents(pools, plan.slots[lo:hi], q_nope.dtype)
-        torch.matmul(c, kv_b_t, out=kv[: hi - lo])
+        keys = torch.matmul(c, kv_b_t, out=kv[: hi - lo])
         del c
         _prefill_chunk[grid](
-            q_nope, q_pe, kv, k_pe, plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out, lo, hi, scale * LOG2_E,
-            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), k_pe.stride(0),
-            m.stride(0), acc.stride(0), acc.stride(1), out.stride(0), out.stride(1),
+            q_nope, q_pe, *_key_tiles(keys, k_pe, dn, dv), plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out,
+            lo, hi, scale * LOG2_E,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), m.stride(0), acc.stride(0),
+            acc.stride(1), out.stride(0), out.stride(1),
             DN=dn, DR=dr, DV=dv, PN=_tile(dn), PR=_tile(dr), PV=_tile(dv), FINAL=hi == total,
             DOT=dot_dtype(q_nope.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
         )
     return out
+
+
+def _key_tiles(kv: torch.Tensor, k_pe: torch.Tensor, dn: int, dv: int) -> tuple:
+    """TMA descriptors of a chunk's buffers, of its rows only (reads past them give zeros):
+    a head's k_nope and v tiles from kv [L, H * (dn + dv)], k_pe's from [L, dr]. A tile
+    wider than dn, dr or dv (the next power of two) takes the next columns, or zeros past a
+    row's end: the queries' columns there are zeros, and v's extra columns are never written
+    out. TMA reads rows that begin 16-byte aligned."""
+    for t in (kv, k_pe):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
+            raise ValueError(f"TMA reads rows that begin 16-byte aligned: {t.dtype} of strides {tuple(t.stride())}")
+    return (TensorDescriptor.from_tensor(kv, [BLOCK_N, _tile(dn)]),
+            TensorDescriptor.from_tensor(k_pe, [BLOCK_N, _tile(k_pe.shape[1])]),
+            TensorDescriptor.from_tensor(kv, [BLOCK_N, _tile(dv)]))

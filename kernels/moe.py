@@ -126,5 +126,5 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
         gate, up, down = stacked()
         if fits(x.shape[0], gate, up, down, shared):
             return moe_decode(x, ids, weights, gate, up, down, shared)
-        y = fused_moe(x, ids, weights, gate, up, down)
+        return fused_moe(x, ids, weights, gate, up, down, add=swiglu(x, *shared) if shared is not None else None)
     return y + swiglu(x, *shared) if shared is not None else y

@@ -12,7 +12,7 @@ reaches 350-450 TFLOP/s there, where a dense GEMM of the same size reaches ~780
 2. gate and up in one grouped GEMM, SwiGLU fused, h written in that same order; e4m3
    experts take e4m3 activations (x quantized per token and 128 columns, h written so).
 3. down over h's rows in order, scaled by the pair's routing weight, written to the
-   pair's row; the k rows of a token are then summed.
+   pair's row; the k rows of a token are then summed (moe_sum.py).
 
 Programs run the N tiles of one block of rows one after another, so a block's rows and
 its expert's weights are read from HBM about once and then from L2. An e4m3 tile of
@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
+from preload.kernels.moe_sum import sum_pairs
 from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
 
@@ -183,8 +184,9 @@ def _launch(a: torch.Tensor, a_scale, w: Weight, out: torch.Tensor, aligned, pai
 
 
 def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Weight, up: Weight, down: Weight,
-                aligned, block_m: int, configs: tuple[dict, dict] | None = None) -> torch.Tensor:
-    """sum over each token's k experts of weight * down(silu(gate x) * up x), as
+                aligned, block_m: int, configs: tuple[dict, dict] | None = None,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over each token's k experts of weight * down(silu(gate x) * up x) (+ add), as
     fused_moe.fused_moe, for experts `supported` and the pairs `aligned` by
     align_by_expert_triton(ids, E, block_m). `configs`: (gate/up, down) tiles to use
     instead of tile_config's (the probe's sweep)."""
@@ -207,4 +209,4 @@ def moe_prefill(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
         h, h_scale = torch.empty(capacity, inner, dtype=x.dtype, device=x.device), None
     _launch(a, a_scale, gate, h, aligned, pairs, block_m, w2=up, out_scale=h_scale, config=gate_up)
     _launch(h, h_scale, down, y, aligned, pairs, block_m, route=route, config=down_cfg)
-    return y.view(t, top_k, -1).sum(1)
+    return sum_pairs(y, top_k, add)

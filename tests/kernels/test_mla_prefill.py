@@ -171,3 +171,23 @@ def test_memory_grows_with_the_chunk_not_with_queries_times_context(context, new
     bound = keys + latents + per_query + (4 << 20)
     assert grown <= bound, (grown, bound)
     assert bound < new * context * heads * 4 / 8  # far below one float32 score per query, key and head
+
+
+def test_on_hopper_the_keys_and_values_come_by_tma():
+    """Compiled for sm_90 at V2-Lite's shapes and the GPU's tiles, the kernel's k_nope, k_pe
+    and v tiles are bulk tensor copies (TMA), not pointer loads (10% slower at every prompt
+    shape on an H100: scripts/probe_prefill_attention.py)."""
+    from hopper_compile import compile_for_hopper, count
+
+    n = 64  # the GPU's BLOCK_N
+    signature = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kn_desc": f"tensordesc<bf16[{n}, 128]>",
+                 "kp_desc": f"tensordesc<bf16[{n}, 64]>", "v_desc": f"tensordesc<bf16[{n}, 128]>",
+                 "q_starts_ptr": "*i64", "kv_starts_ptr": "*i64", "lens_ptr": "*i64", "m_ptr": "*fp32",
+                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lo": "i32", "hi": "i32",
+                 "qk_scale": "fp32"} | {
+        s: "i32" for s in ("stride_nt", "stride_nh", "stride_pt", "stride_ph", "stride_st", "stride_at", "stride_ah",
+                           "stride_ot", "stride_oh")}
+    constexprs = dict(DN=128, DR=64, DV=128, PN=128, PR=64, PV=128, FINAL=False, DOT="tl.bfloat16", BLOCK_M=128,
+                      BLOCK_N=n)
+    ptx = compile_for_hopper("preload.kernels.mla_prefill", "_prefill_chunk", signature, constexprs, num_warps=8)["ptx"]
+    assert count(ptx, "cp.async.bulk.tensor") >= 3
