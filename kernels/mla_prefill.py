@@ -46,7 +46,7 @@ LOG2_E = 1.4426950408889634  # the softmax in base 2: exp2 is the hardware's
 
 @triton.jit
 def _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head, qk_scale,
-            DN: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+            V_COL: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """BLOCK_N keys from flat index `start` into the running softmax (in base 2). Without
     CAUSAL every row sees every key of the tile: it lies below the diagonal, inside the range.
     The tiles come by TMA; rows past the chunk's end come as zeros, and any other row the
@@ -55,7 +55,7 @@ def _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_
     row = (start - lo).to(tl.int32)  # the tile's first row in the chunk's buffers
     k_nope = kn_desc.load([row, head])
     k_pe = kp_desc.load([row, 0])
-    v = v_desc.load([row, head + DN])
+    v = v_desc.load([row, head + V_COL])
     s = (tl.dot(q_nope, tl.trans(k_nope.to(DOT))) + tl.dot(q_pe, tl.trans(k_pe.to(DOT)))) * qk_scale
     if CAUSAL:
         s = tl.where((key < k_hi)[None, :] & ((key - k0)[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -80,7 +80,8 @@ def _prefill_chunk(
     lo, hi, qk_scale,
     stride_nt, stride_nh, stride_pt, stride_ph, stride_st, stride_at, stride_ah, stride_ot, stride_oh,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, PN: tl.constexpr, PR: tl.constexpr, PV: tl.constexpr,
-    FINAL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_COLS: tl.constexpr, V_COL: tl.constexpr, FINAL: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b, h = tl.program_id(0), tl.program_id(2)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles (longest loops) start first
@@ -118,16 +119,16 @@ def _prefill_chunk(
                          mask=live_q[:, None] & (dn < DN)[None, :], other=0.0).to(DOT)
         q_pe = tl.load(q_pe_ptr + t[:, None] * stride_pt + h * stride_ph + dr[None, :],
                        mask=live_q[:, None] & (dr < DR)[None, :], other=0.0).to(DOT)
-        head = h * (DN + DV)  # this head's [k_nope | v] columns in a row of the chunk's buffer
+        head = h * HEAD_COLS  # this head's [k_nope | v] columns in a row of the chunk's buffer
         # Whole tiles of keys at or before the tile's first query are seen by every row: no
         # mask. The rest, up to the last query, straddle the diagonal.
         below = tl.maximum(tl.minimum(k_hi, k0 + first + 1) - k_lo, 0) // BLOCK_N * BLOCK_N
         for start in range(k_lo, k_lo + below, BLOCK_N):
             m, l, acc = _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head,
-                                qk_scale, DN, DOT, BLOCK_N, CAUSAL=False)
+                                qk_scale, V_COL, DOT, BLOCK_N, CAUSAL=False)
         for start in range(k_lo + below, k_hi, BLOCK_N):
             m, l, acc = _attend(m, l, acc, q_nope, q_pe, kn_desc, kp_desc, v_desc, start, lo, k0, k_hi, q_pos, head,
-                                qk_scale, DN, DOT, BLOCK_N, CAUSAL=True)
+                                qk_scale, V_COL, DOT, BLOCK_N, CAUSAL=True)
 
     if FINAL:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -182,27 +183,41 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
         c, k_pe = chunk_latents(pools, plan.slots[lo:hi], q_nope.dtype)
         keys = torch.matmul(c, kv_b_t, out=kv[: hi - lo])
         del c
+        tiles, head_cols, v_col = _key_tiles(keys, k_pe, heads, dn, dv)
         _prefill_chunk[grid](
-            q_nope, q_pe, *_key_tiles(keys, k_pe, dn, dv), plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out,
+            q_nope, q_pe, *tiles, plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out,
             lo, hi, scale * LOG2_E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), m.stride(0), acc.stride(0),
             acc.stride(1), out.stride(0), out.stride(1),
-            DN=dn, DR=dr, DV=dv, PN=_tile(dn), PR=_tile(dr), PV=_tile(dv), FINAL=hi == total,
-            DOT=dot_dtype(q_nope.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+            DN=dn, DR=dr, DV=dv, PN=_tile(dn), PR=_tile(dr), PV=_tile(dv), HEAD_COLS=head_cols, V_COL=v_col,
+            FINAL=hi == total, DOT=dot_dtype(q_nope.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
         )
     return out
 
 
-def _key_tiles(kv: torch.Tensor, k_pe: torch.Tensor, dn: int, dv: int) -> tuple:
-    """TMA descriptors of a chunk's buffers, of its rows only (reads past them give zeros):
-    a head's k_nope and v tiles from kv [L, H * (dn + dv)], k_pe's from [L, dr]. A tile
-    wider than dn, dr or dv (the next power of two) takes the next columns, or zeros past a
-    row's end: the queries' columns there are zeros, and v's extra columns are never written
-    out. TMA reads rows that begin 16-byte aligned."""
+def _key_tiles(kv: torch.Tensor, k_pe: torch.Tensor, heads: int, dn: int, dv: int) -> tuple[tuple, int, int]:
+    """TMA descriptors of a chunk's buffers, of its rows only (reads past them give zeros),
+    and where a head's columns begin and its v within them: a head's k_nope and v tiles
+    from kv [L, H * (dn + dv)], k_pe's from [L, dr]. A tile wider than dn or dv (the next
+    power of two) takes the next columns, or zeros past a row's end: the queries' columns
+    there are zeros, and v's extra columns are never written out. TMA reads tiles that begin
+    16-byte aligned and are no wider than their tensor's rows (else an illegal instruction
+    on the GPU), so heads whose columns are not (the GPU tests' small checkpoint: dn 16, dv
+    12) are laid out again, each part zero-padded to its tile, and so is a rope part
+    narrower than its tile (8 there)."""
+    pn, pr, pv, size = _tile(dn), _tile(k_pe.shape[1]), _tile(dv), kv.element_size()
+    head_cols, v_col = dn + dv, dn
+    if head_cols * size % 16 or dn * size % 16:
+        parts = kv.view(kv.shape[0], heads, dn + dv)
+        kv = kv.new_zeros(kv.shape[0], heads, pn + pv)
+        kv[..., :dn], kv[..., pn: pn + dv] = parts[..., :dn], parts[..., dn:]
+        kv, head_cols, v_col = kv.view(kv.shape[0], -1), pn + pv, pn
+    if pr != k_pe.shape[1]:
+        k_pe = torch.nn.functional.pad(k_pe, (0, pr - k_pe.shape[1]))
     for t in (kv, k_pe):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
             raise ValueError(f"TMA reads rows that begin 16-byte aligned: {t.dtype} of strides {tuple(t.stride())}")
-    return (TensorDescriptor.from_tensor(kv, [BLOCK_N, _tile(dn)]),
-            TensorDescriptor.from_tensor(k_pe, [BLOCK_N, _tile(k_pe.shape[1])]),
-            TensorDescriptor.from_tensor(kv, [BLOCK_N, _tile(dv)]))
+    tiles = (TensorDescriptor.from_tensor(kv, [BLOCK_N, pn]), TensorDescriptor.from_tensor(k_pe, [BLOCK_N, pr]),
+             TensorDescriptor.from_tensor(kv, [BLOCK_N, pv]))
+    return tiles, head_cols, v_col

@@ -51,7 +51,8 @@ def launch(case, plan, kv, k_pe, out, state, cfg):
         q_nope, q_pe, *tiles, plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out, 0, plan.total,
         case["scale"] * mp.LOG2_E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), m.stride(0),
         acc.stride(0), acc.stride(1), out.stride(0), out.stride(1),
-        DN=DN, DR=DR, DV=DV, PN=DN, PR=DR, PV=DV, FINAL=True, DOT=tl.bfloat16, BLOCK_M=bm, BLOCK_N=bn,
+        DN=DN, DR=DR, DV=DV, PN=DN, PR=DR, PV=DV, HEAD_COLS=DN + DV, V_COL=DN, FINAL=True, DOT=tl.bfloat16,
+        BLOCK_M=bm, BLOCK_N=bn,
         num_warps=warps, num_stages=stages)
 
 

@@ -35,7 +35,7 @@ def prompts(count: int, seed: int = 0, longest: int = 300) -> list[list[int]]:
 def counted_replays(llm: LLM) -> list[int]:
     """Record the batch size of every replay of `llm`'s graphs."""
     calls, replay = [], llm.graphs.replay
-    llm.graphs.replay = lambda batch, scratch, tokens=None: calls.append(len(batch)) or replay(batch, scratch, tokens)
+    llm.graphs.replay = lambda batch, *rest: calls.append(len(batch)) or replay(batch, *rest)
     return calls
 
 

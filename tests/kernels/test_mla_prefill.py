@@ -91,6 +91,16 @@ def test_the_reference_equals_gathering_the_context(batch, fp8):
     assert_close(mla_prefill_reference(**case, chunk=24), gathered(case))
 
 
+def test_head_dims_that_are_no_power_of_two_read_no_other_heads_keys():
+    """The GPU tests' small checkpoint has a rope part of 8 (narrower than the kernel's
+    smallest tile, 16) and v of 12: a tile reaches into the next head's columns or past the
+    row, and its extra columns must count for nothing (on an H100, a k_pe tile wider than
+    k_pe's rows was an illegal instruction)."""
+    lens, news = BATCHES["mixed"]
+    case = prefill_case(lens, news, 4, dn=16, dr=8, dv=12, rank=16, page=16, fp8=False, seed=4)
+    assert_close(kernel.mla_prefill(**case, chunk=24), gathered(case))
+
+
 def test_every_row_is_written_and_no_state_is_read_before_it_is(monkeypatch):
     """The output and the running state start as NaN: a row never written, or state read
     before this call wrote it, shows. The host's count of context tokens spares a sync."""
@@ -187,7 +197,8 @@ def test_on_hopper_the_keys_and_values_come_by_tma():
                  "qk_scale": "fp32"} | {
         s: "i32" for s in ("stride_nt", "stride_nh", "stride_pt", "stride_ph", "stride_st", "stride_at", "stride_ah",
                            "stride_ot", "stride_oh")}
-    constexprs = dict(DN=128, DR=64, DV=128, PN=128, PR=64, PV=128, FINAL=False, DOT="tl.bfloat16", BLOCK_M=128,
+    constexprs = dict(DN=128, DR=64, DV=128, PN=128, PR=64, PV=128, HEAD_COLS=256, V_COL=128, FINAL=False,
+                      DOT="tl.bfloat16", BLOCK_M=128,
                       BLOCK_N=n)
     ptx = compile_for_hopper("preload.kernels.mla_prefill", "_prefill_chunk", signature, constexprs, num_warps=8)["ptx"]
     assert count(ptx, "cp.async.bulk.tensor") >= 3
