@@ -172,8 +172,8 @@ def test_a_lazy_start_captures_the_largest_graph_then_each_other_at_first_use_or
     lazy.start_engine(replace(options, kv_cache_memory=64 << 20))  # the slot's cache: nothing captured for it
     assert sorted(lazy.graphs.graphs) == [40]
     buckets, replay = [], lazy.graphs.replay
-    lazy.graphs.replay = lambda batch, scratch, tokens=None: (
-        buckets.append(min(s for s in lazy.graphs.graphs if s >= len(batch))) or replay(batch, scratch, tokens))
+    lazy.graphs.replay = lambda batch, *rest: (
+        buckets.append(min(s for s in lazy.graphs.graphs if s >= len(batch))) or replay(batch, *rest))
     batch = prompts(3, seed=11)
     want = eager.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True)
     assert_same_greedy(lazy.generate(batch, max_tokens=16, logprobs=5, ignore_eos=True), want)
