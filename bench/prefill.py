@@ -10,7 +10,10 @@ the scheduler hands it over, `repeat` times from the same state, so each repetit
 the same work: its wall time (host and GPU; the median is reported). A few more give
 each operation's own time on the GPU's timeline (step_profile.py: events around the
 model's calls, idle gaps included) and, under the profiler, the GPU's busy time and its
-top kernels. Host time is the wall time less the GPU's busy time.
+top kernels. Host time is the wall time less the GPU's busy time. And the step as served
+(replayed from the prompt graphs where it fits) is read off the GPU's timeline
+(step_timeline.py): the host's time to its first kernel, the kernels' union, the idle
+gaps between them, the time after the last.
 
 The limit: the step's floating-point work (`step_flops`: the matrix products these tokens
 need, attention's included, from the config) at the bf16 matrix rate measured in the
@@ -35,6 +38,7 @@ import torch
 
 from preload.bench.results import begin, finish, row
 from preload.bench.step_profile import PROMPT, busy_kernels, operation_ms
+from preload.bench.step_timeline import describe, step_timeline
 from preload.checkpoint.config import ModelConfig
 from preload.options import EngineOptions
 from preload.worker.engine.prompt_graphs import PromptGraphs
@@ -203,6 +207,7 @@ def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, pro
         time_step(step, 2)  # warm-up: kernels of these shapes compiled (the bucket captured), the allocator's pools grown
         spent = sorted(time_step(step, repeat))
         wall = spent[len(spent) // 2]
+        served = step_timeline(step.run, profile_times) if engine.device.type == "cuda" else None
         engine.prompt_graphs = None
         time_step(step, 1)
         eager = sorted(time_step(step, repeat))[repeat // 2] if replayed else wall
@@ -224,7 +229,7 @@ def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, pro
                            "tflop": total / 1e12, "limit_ms": 1000 * total / rate,
                            "limit_percent": 100 * total / rate / wall, "gpu_span_ms": span, "gpu_busy_ms": busy,
                            "host_ms": 1000 * eager - busy if busy is not None else None, "breakdown": breakdown,
-                           "top_kernels": top}
+                           "top_kernels": top, "timeline": served}
 
 
 def run_prompt(engine, vocab: int, length: int) -> dict:
@@ -341,6 +346,11 @@ def format_table(result: dict) -> str:
     for p in result["prompts"]:
         lines.append(f"{p['quant']}: a {p['prompt']}-token prompt to its first token: {p['s']:.3f} s in {p['steps']}"
                      f" steps, {p['prompt_tok_s']:.0f} tok/s")
+    timelines = [r for r in result["runs"] if r.get("timeline")]
+    if timelines:
+        lines += ["", "each step as served (replayed where it fits), on the GPU's timeline, under the profiler (which"
+                      " slows the host's parts):"]
+        lines += [f"  {r['quant']} {r['case']}: " + describe(r["timeline"]) for r in timelines]
     for r in result["runs"]:
         if not r.get("breakdown"):
             continue

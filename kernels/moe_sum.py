@@ -1,7 +1,7 @@
 """Each token's k routed expert outputs summed, plus the shared experts' output, in one
 pass (Triton). The grouped GEMMs leave a row per (token, expert) pair, a token's k rows
-adjacent; the reference is `y.view(T, k, D).sum(1) + shared`, which torch runs as a
-reduction and an addition, two passes over the rows at a fraction of the HBM's speed
+adjacent; torch's form, `y.view(T, k, D).sum(1) + shared` (`sum_pairs_reference` here),
+runs as a reduction and an addition, two passes over the rows at a fraction of the HBM's speed
 (a 2,048-token step of V2-Lite on an H200: 29 us a layer for the reduction alone, where
 its 58 MB take 12 us to read and write). Here the k rows and the shared row are added in
 float32 and rounded once.
@@ -29,6 +29,12 @@ def _sum_pairs(y_ptr, add_ptr, out_ptr, tokens, D, stride_y, stride_add, stride_
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j)[:, None] * stride_y + d[None, :], mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + t[:, None] * stride_out + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def sum_pairs_reference(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """What `sum_pairs` computes, in torch: float32, rounded once."""
+    out = y.float().view(-1, top_k, y.shape[1]).sum(1)
+    return (out if add is None else out + add.float()).to(y.dtype)
 
 
 def sum_pairs(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None) -> torch.Tensor:

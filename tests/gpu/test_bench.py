@@ -45,3 +45,17 @@ def test_a_prefill_steps_operations_add_up_to_its_time():
     assert 0 < r["gpu_busy_ms"] and 0 < r["gpu_span_ms"]
     for op in ("routed experts: grouped GEMMs", "attention: prompt, flash", "attention: decode rows", "dense projections"):
         assert spans.get(op, 0) > 0, (op, spans)
+
+
+def test_a_served_steps_timeline_accounts_for_its_wall_time():
+    """The step as served, read off the GPU's timeline: the host's time to the first kernel,
+    the device's busy time, the gaps between and the time after the last add up to the
+    run's wall time; the device did some work, and no more than the wall time holds."""
+    result = run_prefill(None, "v2-lite-mini", "cuda", ["none"], [Case.parse("512x2")], [], 2048, 3, lambda msg: None)
+    (r,) = result["runs"]
+    t = r["timeline"]
+    assert t["activities"] > 10 and 0 < t["busy_ms"] <= t["wall_ms"]
+    parts = t["to_first_ms"] + t["busy_ms"] + t["idle_ms"] + t["after_last_ms"]
+    assert parts == pytest.approx(t["wall_ms"], rel=1e-6)
+    assert all(g["us"] > 0 for g in t["gaps"]) and [g["us"] for g in t["gaps"]] == sorted(
+        (g["us"] for g in t["gaps"]), reverse=True)

@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 from kernel_cases import DEVICE, experts  # noqa: E402
 
 from preload.kernels.fused_moe import fused_moe, stack_experts  # noqa: E402
-from preload.kernels.moe_sum import sum_pairs  # noqa: E402
+from preload.kernels.moe_sum import sum_pairs, sum_pairs_reference  # noqa: E402
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 6])
@@ -28,6 +28,7 @@ def test_the_sum_of_a_tokens_rows_is_the_references(top_k, tokens, d, shared):
     assert got.shape == (tokens, d) and got.dtype == torch.bfloat16
     # One bf16 rounding of the float32 sum: within an ulp (Triton's interpreter truncates).
     torch.testing.assert_close(got.float(), want, atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(sum_pairs_reference(y, top_k, add).float(), want, atol=0, rtol=2 ** -8)
 
 
 def test_no_tokens_sum_to_nothing():
