@@ -6,12 +6,13 @@ For each chunk of the flat context order, torch gathers and dequantizes the chun
 latents and up-projects them to keys and values (one GEMM, into one buffer reused by
 every chunk); then `_prefill_chunk` runs every query of the batch against the chunk's
 keys of its own sequence, their tiles brought by the Hopper's tensor memory accelerator
-(TMA: Triton's tensor descriptors; 8-10% faster than pointer loads). A program takes BLOCK_M consecutive new tokens of one sequence
-and one head (the expanded form's keys differ per head, so heads do not share tiles);
-the query-key dot is two dots, q_nope . k_nope + q_pe . k_pe, since dn + dr (192) is no
-power of two. Only key tiles at or before the tile's last query position are visited;
-those wholly before its first query skip the causal mask (by absolute position in the
-sequence), which only the tiles on the diagonal need. The softmax runs in base 2.
+(TMA: Triton's tensor descriptors; 8-10% faster than pointer loads). A program takes
+BLOCK_M consecutive new tokens of one sequence and one head (the expanded form's keys
+differ per head, so heads do not share tiles); the query-key dot is two dots, q_nope .
+k_nope + q_pe . k_pe, since dn + dr (192) is no power of two. Only key tiles at or before
+the tile's last query position are visited; those wholly before its first query skip the
+causal mask (by absolute position in the sequence), which only the tiles on the diagonal
+need. The softmax runs in base 2.
 
 The online softmax state (running max, sum, weighted values; float32) lives in buffers
 between chunks. A program whose sequence begins in this chunk starts it fresh: every
@@ -34,9 +35,10 @@ from preload.kernels.triton_dot import INTERPRETING, dot_dtype
 # timed on an H200 (a 16k prompt, V2-Lite: 413 TFLOP/s against 358 for 64 x 64, 4
 # warps, 2 stages; 325 for 128 x 32), and with the keys brought by TMA on an H100 the
 # fastest or within 10% at every prompt step's shape swept (2,048 x 1 85.6 us a layer
-# against 95.0 by pointer loads, 8 x 256 34.5 against 38.4; scripts/probe_prefill_attention.py,
-# results/kernels/prefill-attention-tma-h100.json). In the interpreter the smallest tiles a dot takes,
-# so that the tests' small cases span several tiles, and numpy gets through them faster.
+# against 95.0 by pointer loads, 8 x 256 34.5 against 38.4;
+# scripts/probe_prefill_attention.py, results/kernels/prefill-attention-tma-h100.json).
+# In the interpreter the smallest tiles a dot takes, so that the tests' small cases span
+# several tiles, and numpy gets through them faster.
 BLOCK_M = 16 if INTERPRETING else 128  # new tokens per program
 BLOCK_N = 16 if INTERPRETING else 64  # keys per step of its loop
 NUM_WARPS = 8
