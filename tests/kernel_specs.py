@@ -3,6 +3,7 @@ tests of kernels compiled ahead (kernels/ahead.py, `preload kernels compile`).""
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import serialize_specialization_data
@@ -26,3 +27,23 @@ def rms_norm_spec(add: bool, block_d: int) -> tuple:
     name = f"{fused_norm._rms_norm.fn.__module__}.{fused_norm._rms_norm.fn.__qualname__}"
     spec = serialize_specialization_data(name, RMS_NORM, constants, attrs, options, "key", H100)
     return spec, ASTSource(fused_norm._rms_norm, RMS_NORM, constants, attrs), options
+
+
+def prefill_attention_spec() -> str:
+    """The JSON of the prefill attention's kernel at V2-Lite's shapes: its keys and values
+    come as TMA descriptors, whose types ("tensordesc<...>") a list carries as strings."""
+    from preload.kernels import mla_prefill
+
+    fn = mla_prefill._prefill_chunk
+    types = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kn_desc": "tensordesc<bf16[64, 128]>",
+             "kp_desc": "tensordesc<bf16[64, 64]>", "v_desc": "tensordesc<bf16[64, 128]>", "q_starts_ptr": "*i64",
+             "kv_starts_ptr": "*i64", "lens_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+             "out_ptr": "*bf16", "lo": "i32", "hi": "i32", "qk_scale": "fp32"}
+    signature = {n: types.get(n, "i32" if n.startswith("stride") else "constexpr") for n in fn.arg_names}
+    values = dict(DN=128, DR=64, DV=128, PN=128, PR=64, PV=128, HEAD_COLS=256, V_COL=128, FINAL=True,
+                  DOT=tl.bfloat16, BLOCK_M=128, BLOCK_N=64)
+    constants = {(fn.arg_names.index(k),): v for k, v in values.items()}
+    attrs = {(fn.arg_names.index(n),): ALIGNED for n, t in types.items() if t.startswith("*")}
+    options = make_backend(H100).parse_options({"num_warps": 8, "num_stages": 3})
+    return serialize_specialization_data(f"{fn.fn.__module__}.{fn.fn.__qualname__}", signature, constants, attrs,
+                                         options, "key", H100)

@@ -18,7 +18,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from kernel_specs import CASES, rms_norm_spec  # noqa: E402
+from kernel_specs import CASES, prefill_attention_spec, rms_norm_spec  # noqa: E402
 
 from preload.kernels import ahead  # noqa: E402
 
@@ -77,6 +77,13 @@ def test_a_list_compiled_ahead_is_what_the_jit_then_finds(cache):
     r = subprocess.run([sys.executable, "-c", JIT_AGAIN], capture_output=True, text=True, timeout=120, env=os.environ)
     assert r.returncode == 0, r.stderr[-2000:]
     assert compiled_in(cache) == compiled and int(r.stdout) == 0, r.stdout
+
+
+def test_a_kernel_taking_tma_descriptors_compiles_ahead(cache):
+    """The prefill attention reads its keys through tensor descriptors: their types travel
+    in the list as strings and compile as the JIT would compile them."""
+    assert compile_list([prefill_attention_spec()], processes=1) == (1, {}, 1)
+    assert len(compiled_in(cache)) == 1
 
 
 def test_an_entry_that_cannot_compile_fails_alone_and_foreign_modules_are_refused(cache):
