@@ -117,9 +117,7 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
     down, or None). The reference loop on the CPU; on a GPU, a decode step's few tokens in
     two launches (moe_decode.py), more through the grouped GEMMs (fused_moe.py), over
     `stacked()`, the experts' (gate, up, down) as [E, ...] views."""
-    if not x.is_cuda:
-        y = moe_experts(x, ids, weights, experts)
-    else:  # Triton: imported only where there is a GPU
+    if x.is_cuda:  # Triton: imported only where there is a GPU
         from preload.kernels.fused_moe import fused_moe
         from preload.kernels.moe_decode import fits, moe_decode
 
@@ -127,4 +125,5 @@ def moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts
         if fits(x.shape[0], gate, up, down, shared):
             return moe_decode(x, ids, weights, gate, up, down, shared)
         return fused_moe(x, ids, weights, gate, up, down, add=swiglu(x, *shared) if shared is not None else None)
+    y = moe_experts(x, ids, weights, experts)
     return y + swiglu(x, *shared) if shared is not None else y
