@@ -17,7 +17,10 @@ BLOCK_T = 4  # tokens a program sums
 BLOCK_D = 512  # columns a program sums
 
 
-@triton.jit
+# Not specialized on `tokens`: Triton compiles a variant per integer argument's divisibility
+# by 16 (and for 1), and a step's token count varies, so serving would meet variants the
+# warm-up had not (mla_prefill.py's `lo` and `hi` likewise).
+@triton.jit(do_not_specialize=["tokens"])
 def _sum_pairs(y_ptr, add_ptr, out_ptr, tokens, D, stride_y, stride_add, stride_out,
                TOP_K: tl.constexpr, ADD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
