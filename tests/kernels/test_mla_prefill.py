@@ -188,17 +188,9 @@ def test_on_hopper_the_keys_and_values_come_by_tma():
     and v tiles are bulk tensor copies (TMA), not pointer loads (10% slower at every prompt
     shape on an H100: scripts/probe_prefill_attention.py)."""
     from hopper_compile import compile_for_hopper, count
+    from kernel_specs import PREFILL_ATTENTION, PREFILL_ATTENTION_CONSTEXPRS
 
-    n = 64  # the GPU's BLOCK_N
-    signature = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kn_desc": f"tensordesc<bf16[{n}, 128]>",
-                 "kp_desc": f"tensordesc<bf16[{n}, 64]>", "v_desc": f"tensordesc<bf16[{n}, 128]>",
-                 "q_starts_ptr": "*i64", "kv_starts_ptr": "*i64", "lens_ptr": "*i64", "m_ptr": "*fp32",
-                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "lo": "i32", "hi": "i32",
-                 "qk_scale": "fp32"} | {
-        s: "i32" for s in ("stride_nt", "stride_nh", "stride_pt", "stride_ph", "stride_st", "stride_at", "stride_ah",
-                           "stride_ot", "stride_oh")}
-    constexprs = dict(DN=128, DR=64, DV=128, PN=128, PR=64, PV=128, HEAD_COLS=256, V_COL=128, FINAL=False,
-                      DOT="tl.bfloat16", BLOCK_M=128,
-                      BLOCK_N=n)
-    ptx = compile_for_hopper("preload.kernels.mla_prefill", "_prefill_chunk", signature, constexprs, num_warps=8)["ptx"]
+    constexprs = PREFILL_ATTENTION_CONSTEXPRS | dict(FINAL=False, DOT="tl.bfloat16")
+    ptx = compile_for_hopper("preload.kernels.mla_prefill", "_prefill_chunk", PREFILL_ATTENTION, constexprs,
+                             num_warps=8)["ptx"]
     assert count(ptx, "cp.async.bulk.tensor") >= 3
