@@ -7,9 +7,11 @@ cache (a later chunk of a long prompt), beside ROWS decode rows (sequences compu
 token at CONTEXT tokens of context), e.g. "2048x8+64@1024". Its sequences are set up
 untimed (their contexts computed beforehand), then the step runs through `Engine.run` as
 the scheduler hands it over, `repeat` times from the same state, so each repetition does
-the same work: its wall time (host and GPU; the median is reported). A few more give
-each operation's own time on the GPU's timeline (step_profile.py: events around the
-model's calls, idle gaps included) and, under the profiler, the GPU's busy time and its
+the same work: its wall time (host and GPU; the median is reported), and the time a step
+of as many queued one after another (`queued ms`: each prepared by the host while the GPU
+computes the one before, as the engine's pipeline serves a long prompt's chunks). A few
+more give each operation's own time on the GPU's timeline (step_profile.py: events around
+the model's calls, idle gaps included) and, under the profiler, the GPU's busy time and its
 top kernels. Host time is the wall time less the GPU's busy time. And the step as served
 (replayed from the prompt graphs where it fits) is read off the GPU's timeline
 (step_timeline.py): the host's time to its first kernel, the kernels' union, the idle
@@ -32,6 +34,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -41,6 +44,7 @@ from preload.bench.step_profile import PROMPT, busy_kernels, operation_ms
 from preload.bench.step_timeline import describe, step_timeline
 from preload.checkpoint.config import ModelConfig
 from preload.options import EngineOptions
+from preload.worker.engine.flight import spans_of
 from preload.worker.engine.prompt_graphs import PromptGraphs
 from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
@@ -173,12 +177,23 @@ class Step:
                     spans.insert(0, (seq, start + k, n - k))
             self.engine.forward(taken, [0])
 
-    def run(self) -> None:
+    def _reset(self) -> None:
         for seq, first in zip(self.decoding, self.first):
             seq.computed, seq.output[:] = self.case.decode_context, [first]
         for seq in self.prompts:
             seq.computed, seq.output[:] = self.case.cached, []
+
+    def run(self) -> None:
+        self._reset()
         self.engine.run(self.batch)
+
+    def launch(self) -> torch.Tensor:
+        """The step's forward, not waited for: what the engine's pipeline queues while the
+        GPU still computes the step before (a long prompt's next chunk). The log-probs of
+        each sequence's last row."""
+        self._reset()
+        spans = spans_of(self.batch)
+        return self.engine.forward(spans, [end - 1 for end in accumulate(n for _, _, n in spans)])[0]
 
     def release(self) -> None:
         for seq in self.decoding + self.prompts:
@@ -196,6 +211,17 @@ def time_step(step: Step, repeat: int) -> list[float]:
     return spent
 
 
+def back_to_back(step: Step, times: int) -> float:
+    """Seconds a step of `times` steps queued one after another, one wait at the end: each
+    prepared by the host while the GPU computes the one before, as steps are served."""
+    sync(step.engine.device)
+    t = time.perf_counter()
+    for _ in range(times):
+        step.launch()
+    sync(step.engine.device)
+    return (time.perf_counter() - t) / times
+
+
 def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, profile_times: int) -> dict:
     """The step as served (replayed from the prompt graphs where the engine has them and
     the step fits), then eagerly: its wall time, and the breakdown, which needs the model's
@@ -207,6 +233,7 @@ def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, pro
         time_step(step, 2)  # warm-up: kernels of these shapes compiled (the bucket captured), the allocator's pools grown
         spent = sorted(time_step(step, repeat))
         wall = spent[len(spent) // 2]
+        queued = back_to_back(step, repeat)
         served = step_timeline(step.run, profile_times) if engine.device.type == "cuda" else None
         engine.prompt_graphs = None
         time_step(step, 1)
@@ -224,7 +251,7 @@ def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, pro
                   "tflop_s": flops[op] / (ms / 1e3) / 1e12 if flops.get(op) and ms > 0 else None}
                  for op, ms in sorted(ops.items(), key=lambda kv: -kv[1])]
     return asdict(case) | {"case": case.label, "replayed": replayed, "eager_ms": 1000 * eager,
-                           "ms": 1000 * wall, "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
+                           "ms": 1000 * wall, "queued_ms": 1000 * queued, "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
                            "prompt_tok_s": case.tokens / wall, "tok_s": (case.tokens + case.decode_rows) / wall,
                            "tflop": total / 1e12, "limit_ms": 1000 * total / rate,
                            "limit_percent": 100 * total / rate / wall, "gpu_span_ms": span, "gpu_busy_ms": busy,
@@ -328,8 +355,9 @@ def format_table(result: dict) -> str:
     lines = [f"preload bench prefill: {result['model']}, on {m.get('cuda_device') or m.get('cpu_model')}; bf16 matmul "
              f"{result['matmul_flop_s'] / 1e12:.0f} TFLOP/s; budget {result['max_num_batched_tokens']} tokens a step;"
              f" {result['wall_s']:.0f} s", ""]
-    head = ("quant", "step", "ms", "prompt tok/s", "TFLOP", "limit ms", "limit %", "eager ms", "GPU busy", "host ms")
-    widths = (10, 18, 8, 12, 7, 8, 7, 8, 8, 8)
+    head = ("quant", "step", "ms", "queued ms", "prompt tok/s", "TFLOP", "limit ms", "limit %", "eager ms", "GPU busy",
+            "host ms")
+    widths = (10, 18, 8, 9, 12, 7, 8, 7, 8, 8, 8)
     lines.append(row(head, widths))
 
     def ms(x: float | None) -> str:
@@ -339,7 +367,7 @@ def format_table(result: dict) -> str:
         if "error" in r:
             lines.append(row((r["quant"], r["case"], "failed: " + r["error"][:80]), (10, 18, 8)))
             continue
-        lines.append(row((r["quant"], r["case"], ms(r["ms"]), f"{r['prompt_tok_s']:.0f}", f"{r['tflop']:.2f}",
+        lines.append(row((r["quant"], r["case"], ms(r["ms"]), ms(r.get("queued_ms")), f"{r['prompt_tok_s']:.0f}", f"{r['tflop']:.2f}",
                           ms(r["limit_ms"]), f"{r['limit_percent']:.0f}", ms(r.get("eager_ms")), ms(r["gpu_busy_ms"]),
                           ms(r["host_ms"])),
                          widths))
