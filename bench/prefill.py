@@ -212,8 +212,8 @@ def time_step(step: Step, repeat: int) -> list[float]:
 
 
 def back_to_back(step: Step, times: int) -> float:
-    """Seconds a step of `times` steps queued one after another, one wait at the end: each
-    prepared by the host while the GPU computes the one before, as steps are served."""
+    """Seconds a step takes when `times` of it are queued one after another with one wait at
+    the end: each prepared by the host while the GPU computes the one before, as served."""
     sync(step.engine.device)
     t = time.perf_counter()
     for _ in range(times):
@@ -251,7 +251,8 @@ def run_case(engine, cfg: ModelConfig, case: Case, rate: float, repeat: int, pro
                   "tflop_s": flops[op] / (ms / 1e3) / 1e12 if flops.get(op) and ms > 0 else None}
                  for op, ms in sorted(ops.items(), key=lambda kv: -kv[1])]
     return asdict(case) | {"case": case.label, "replayed": replayed, "eager_ms": 1000 * eager,
-                           "ms": 1000 * wall, "queued_ms": 1000 * queued, "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
+                           "ms": 1000 * wall, "queued_ms": 1000 * queued,
+                           "ms_min": 1000 * spent[0], "ms_max": 1000 * spent[-1],
                            "prompt_tok_s": case.tokens / wall, "tok_s": (case.tokens + case.decode_rows) / wall,
                            "tflop": total / 1e12, "limit_ms": 1000 * total / rate,
                            "limit_percent": 100 * total / rate / wall, "gpu_span_ms": span, "gpu_busy_ms": busy,
@@ -367,9 +368,9 @@ def format_table(result: dict) -> str:
         if "error" in r:
             lines.append(row((r["quant"], r["case"], "failed: " + r["error"][:80]), (10, 18, 8)))
             continue
-        lines.append(row((r["quant"], r["case"], ms(r["ms"]), ms(r.get("queued_ms")), f"{r['prompt_tok_s']:.0f}", f"{r['tflop']:.2f}",
-                          ms(r["limit_ms"]), f"{r['limit_percent']:.0f}", ms(r.get("eager_ms")), ms(r["gpu_busy_ms"]),
-                          ms(r["host_ms"])),
+        lines.append(row((r["quant"], r["case"], ms(r["ms"]), ms(r.get("queued_ms")), f"{r['prompt_tok_s']:.0f}",
+                          f"{r['tflop']:.2f}", ms(r["limit_ms"]), f"{r['limit_percent']:.0f}", ms(r.get("eager_ms")),
+                          ms(r["gpu_busy_ms"]), ms(r["host_ms"])),
                          widths))
     for p in result["prompts"]:
         lines.append(f"{p['quant']}: a {p['prompt']}-token prompt to its first token: {p['s']:.3f} s in {p['steps']}"

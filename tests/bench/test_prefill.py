@@ -1,7 +1,8 @@
 """`preload bench prefill` on the CPU, small: cases parse as written, a step is set up with
 its contexts in the cache and runs the same work each time (the same greedy tokens, the
-cache as it was), served or queued behind the step before, its floating-point work is counted as the model does it, and the whole
-bench writes a table. The GPU's breakdown is tested in tests/gpu/test_bench.py."""
+cache as it was), served or queued behind the step before, its floating-point work is
+counted as the model does it, and the whole bench writes a table. The GPU's breakdown is
+tested in tests/gpu/test_bench.py."""
 
 from __future__ import annotations
 
