@@ -16,7 +16,7 @@ mask [B, Q, K] (True where query q may see key k). Output [B, Q, H, dv].
 on a GPU the Triton kernel of mla_decode.py reads the cache through the block tables;
 elsewhere its reference gathers each sequence's context and runs the absorbed form's
 middle (`latent_attention`) over it; the products with W_uk and W_uv around it
-(`per_head`) take head_matvec.py's kernel for a few sequences. `write_latents` stores new tokens' latents in the
+(`per_head`) take head_matvec.py's kernel. `write_latents` stores new tokens' latents in the
 cache (on a GPU, cache_write.py). On a GPU both kernels find the cache through `Pools.ptrs`,
 its addresses in device memory, not through arguments: a CUDA graph captured against one
 cache then serves any other whose addresses are written there.
@@ -165,10 +165,10 @@ def decode_kernel_takes(rank: int, rope: int) -> bool:
 
 def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """out[b, h, n] = sum over k of x[b, h, k] w[h, n, k]: x [B, H, K], w [H, N, K]. On a
-    GPU, a decode step's few sequences in one Triton launch (head_matvec.py)."""
+    GPU in one Triton launch (head_matvec.py), out contiguous as the attention kernel and the
+    output projection read it."""
     if x.is_cuda and x.stride(-1) == 1:
-        from preload.kernels.head_matvec import ROWS, head_matvec  # Triton: imported only where there is a GPU
+        from preload.kernels.head_matvec import head_matvec  # Triton: imported only where there is a GPU
 
-        if x.shape[0] <= ROWS:
-            return head_matvec(x, w)
+        return head_matvec(x, w)
     return torch.einsum("bhk,hnk->bhn", x, w)

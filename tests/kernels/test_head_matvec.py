@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_cases import DEVICE  # noqa: E402
 
-from preload.kernels.head_matvec import ROWS, head_matvec  # noqa: E402
+from preload.kernels.head_matvec import ROWS, WIDE_ROWS, head_matvec  # noqa: E402
 
 
 def kv_b(heads: int, dn: int, dv: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,7 +22,8 @@ def kv_b(heads: int, dn: int, dv: int, rank: int) -> tuple[torch.Tensor, torch.T
     return w[:, :dn], w[:, dn:]
 
 
-@pytest.mark.parametrize("batch", [1, 5, ROWS])
+# One tile of rows, then tiles of WIDE_ROWS (a serving batch's: the last one partial).
+@pytest.mark.parametrize("batch", [1, 5, ROWS, ROWS + 1, WIDE_ROWS + 3])
 def test_both_absorbed_products_equal_the_einsum(batch):
     heads, dn, dv, rank = 3, 48, 40, 160  # K of 48 and 160, N of 160 and 40: partial blocks everywhere
     w_uk, w_uv = kv_b(heads, dn, dv, rank)
@@ -36,7 +37,9 @@ def test_both_absorbed_products_equal_the_einsum(batch):
         assert torch.allclose(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2), (got.float() - want).abs().max()
 
 
-def test_more_sequences_than_one_tile_are_refused():
+def test_the_output_is_contiguous_and_a_strided_k_is_refused():
     w_uk, _ = kv_b(2, 32, 32, 64)
-    with pytest.raises(ValueError, match="at most"):
-        head_matvec(torch.zeros(ROWS + 1, 2, 32, dtype=torch.bfloat16, device=DEVICE), w_uk.transpose(1, 2))
+    x = torch.randn(ROWS + 2, 2, 32).to(torch.bfloat16).to(DEVICE)
+    assert head_matvec(x, w_uk.transpose(1, 2)).is_contiguous()  # (the einsum's is a transposed view)
+    with pytest.raises(ValueError, match="contiguous"):
+        head_matvec(x.transpose(0, 2).contiguous().transpose(0, 2), w_uk.transpose(1, 2))
