@@ -273,8 +273,10 @@ class CoreClient:
             self._send(core, {"t": "retire"})  # a core the slot has moved on from
 
     def _on_out(self, core: bytes, msg: dict) -> None:
+        landed = time.monotonic()
         for wire in msg["o"]:
             out = output_from_wire(wire)
+            out.landed = (landed,) if out.token_ids else ()
             req = self.requests.get(out.seq_id)
             if req is None or req.core != core:
                 continue  # (its reader left, or another core computes it now)

@@ -91,13 +91,14 @@ class Serving:
             first = last = None
             generated = 0
             async for out in outputs:
-                now = time.monotonic()
-                if first is None:
-                    first = now
-                    m.label(m.ttft).observe(now - arrived)
-                else:
-                    m.label(m.tpot).observe(now - last)
-                last = now
+                # Each engine step's tokens timed when they landed, several steps merged or not.
+                for landed in out.landed or ((time.monotonic(),) if out.token_ids else ()):
+                    if first is None:
+                        first = landed
+                        m.label(m.ttft).observe(landed - arrived)
+                    else:
+                        m.label(m.tpot).observe(landed - last)
+                    last = landed
                 generated += len(out.token_ids)
                 m.label(m.generation_tokens).inc(len(out.token_ids))
                 if out.finished and first is not None:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from preload.worker.engine.engine import Engine, EngineStats
@@ -149,9 +150,11 @@ class AsyncEngine:
             for reader in self._readers.values():
                 reader.put_nowait(news)
             return
+        landed = time.monotonic()
         for out in news:
             reader = self._readers.get(out.seq_id)
             if reader is not None:  # else its reader left; the abort is on its way
+                out.landed = (landed,) if out.token_ids else ()
                 reader.put_nowait(out)
 
     def _run(self) -> None:

@@ -27,6 +27,9 @@ class Output:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None  # likewise, when n > 0 are asked
     cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache held
     refused: bool = False  # with an error: the request's own fault (its grammar), a 400 rather than a 500
+    # When each engine step's tokens in it reached the server (time.monotonic()): a reader that
+    # lags gets several steps merged, and the metrics still time each step, as vLLM's do.
+    landed: tuple[float, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -51,4 +54,5 @@ class Output:
             next((o.prompt_top_logprobs for o in outputs if o.prompt_top_logprobs is not None), None),
             next((o.cached_tokens for o in outputs if o.cached_tokens is not None), None),
             last.refused,
+            tuple(t for o in outputs for t in o.landed),
         )
