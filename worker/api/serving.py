@@ -91,8 +91,9 @@ class Serving:
             first = last = None
             generated = 0
             async for out in outputs:
-                # Each engine step's tokens timed when they landed, several steps merged or not.
-                for landed in out.landed or ((time.monotonic(),) if out.token_ids else ()):
+                # Each engine step's tokens timed when they landed, several steps merged or not (a
+                # first Output without tokens, a prompt scored, is timed as it is read).
+                for landed in out.landed or ((time.monotonic(),) if out.token_ids or first is None else ()):
                     if first is None:
                         first = landed
                         m.label(m.ttft).observe(landed - arrived)

@@ -44,3 +44,22 @@ def test_steps_merged_for_a_lagging_reader_are_timed_one_by_one():
 def test_merged_outputs_keep_every_step_s_landing_in_order():
     steps = [Output(1, [5], landed=(1.0,)), Output(1, [], landed=()), Output(1, [6, 7], landed=(2.0,))]
     assert Output.merge(steps).landed == (1.0, 2.0)
+
+
+def test_a_request_that_generates_nothing_is_still_counted_once_finished():
+    """A prompt scored with no token generated (lm-eval's loglikelihood): its one Output,
+    read as it comes, is its first and its last."""
+    worker_metrics = WorkerMetrics(SimpleNamespace(), "m")
+    serving = Serving(SimpleNamespace(), SimpleNamespace(chat_template=None), ("m",), None, worker_metrics)
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=1))
+
+    async def outputs():
+        yield Output(seq.id, [], prompt_logprobs=[None, -1.0, -2.0], finish_reason="length")
+
+    async def read():
+        return [out async for out in serving._timed(outputs(), seq, arrived=0.0)]
+
+    asyncio.run(read())
+    m = metrics(generate_latest(worker_metrics.registry).decode())
+    assert total(m, "preload_request_success_total", finished_reason="length") == 1
+    assert sum(v for k, v in m.items() if k.startswith("preload_time_per_output_token_seconds_count")) == 0
