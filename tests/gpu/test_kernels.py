@@ -124,9 +124,10 @@ def test_decode_moe_at_real_shapes_and_in_a_graph(quant, shape, tokens):
 
 
 @pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])
-@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("batch", [1, 16, 100, 256])
 def test_absorbed_products_at_real_shapes(heads, batch):
-    """q_nope W_uk and latent W_uv (dn = dv = 128, rank 512) through head_matvec."""
+    """q_nope W_uk and latent W_uv (dn = dv = 128, rank 512) through head_matvec: one tile of
+    rows up to 16, tiles of 64 past it (workload B's 100, the largest decode graphs' 256)."""
     from preload.kernels.attention import absorbed_weights, per_head
 
     gen = torch.Generator(device="cuda").manual_seed(0)
