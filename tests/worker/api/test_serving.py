@@ -18,21 +18,30 @@ from preload.worker.engine.sampling_params import SamplingParams
 from preload.worker.engine.sequence import Sequence
 
 
-def test_steps_merged_for_a_lagging_reader_are_timed_one_by_one():
+def timed(reads: list[Output], seq: Sequence, arrived: float) -> tuple[list[Output], dict[str, float]]:
+    """What Serving._timed yields for a request whose engine Outputs are read as `reads`, and
+    the worker's metrics after it."""
     worker_metrics = WorkerMetrics(SimpleNamespace(), "m")
     serving = Serving(SimpleNamespace(), SimpleNamespace(chat_template=None), ("m",), None, worker_metrics)
-    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
 
-    async def outputs():  # the first step read alone, the next three merged into one read
-        yield Output(seq.id, [7], landed=(10.0,))
-        yield Output.merge([Output(seq.id, [8], landed=(10.5,)), Output(seq.id, [9], landed=(11.0,)),
-                            Output(seq.id, [10], finish_reason="length", landed=(12.0,))])
+    async def outputs():
+        for out in reads:
+            yield out
 
     async def read():
-        return [out async for out in serving._timed(outputs(), seq, arrived=9.75)]
+        return [out async for out in serving._timed(outputs(), seq, arrived)]
 
-    assert [out.token_ids for out in asyncio.run(read())] == [[7], [8, 9, 10]]
-    m = metrics(generate_latest(worker_metrics.registry).decode())
+    got = asyncio.run(read())
+    return got, metrics(generate_latest(worker_metrics.registry).decode())
+
+
+def test_steps_merged_for_a_lagging_reader_are_timed_one_by_one():
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4))
+    reads = [Output(seq.id, [7], landed=(10.0,)),  # the first step read alone, the next three merged into one read
+             Output.merge([Output(seq.id, [8], landed=(10.5,)), Output(seq.id, [9], landed=(11.0,)),
+                           Output(seq.id, [10], finish_reason="length", landed=(12.0,))])]
+    got, m = timed(reads, seq, arrived=9.75)
+    assert [out.token_ids for out in got] == [[7], [8, 9, 10]]
     assert total(m, "preload_time_to_first_token_seconds_count") == 1
     assert total(m, "preload_time_to_first_token_seconds_sum") == 0.25
     assert total(m, "preload_time_per_output_token_seconds_count") == 3
@@ -49,17 +58,7 @@ def test_merged_outputs_keep_every_step_s_landing_in_order():
 def test_a_request_that_generates_nothing_is_still_counted_once_finished():
     """A prompt scored with no token generated (lm-eval's loglikelihood): its one Output,
     read as it comes, is its first and its last."""
-    worker_metrics = WorkerMetrics(SimpleNamespace(), "m")
-    serving = Serving(SimpleNamespace(), SimpleNamespace(chat_template=None), ("m",), None, worker_metrics)
     seq = Sequence([1, 2, 3], SamplingParams(max_tokens=1))
-
-    async def outputs():
-        yield Output(seq.id, [], prompt_logprobs=[None, -1.0, -2.0], finish_reason="length")
-
-    async def read():
-        return [out async for out in serving._timed(outputs(), seq, arrived=0.0)]
-
-    asyncio.run(read())
-    m = metrics(generate_latest(worker_metrics.registry).decode())
+    _, m = timed([Output(seq.id, [], prompt_logprobs=[None, -1.0, -2.0], finish_reason="length")], seq, arrived=0.0)
     assert total(m, "preload_request_success_total", finished_reason="length") == 1
     assert sum(v for k, v in m.items() if k.startswith("preload_time_per_output_token_seconds_count")) == 0
