@@ -83,15 +83,36 @@ def route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k:
     return route_softmax(logits, top_k, n_group, topk_group, grouped, norm_topk_prob, scaling)
 
 
+def side_by_side(first: Weight, second: Weight) -> torch.Tensor | None:
+    """One [2N, K] view of two [N, K] matrices where the second follows the first in memory
+    (the arena lays tensors out in the checkpoint's order, whose names sort a layer's
+    gate_proj just before its up_proj), else None: never a copy."""
+    if isinstance(first, Fp8Weight) or isinstance(second, Fp8Weight):
+        return None  # (e4m3's scales lie between the two)
+    n, k = first.shape
+    if (second.shape != first.shape or second.dtype != first.dtype or not first.is_contiguous()
+            or not second.is_contiguous() or second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or second.data_ptr() != first.data_ptr() + first.nbytes):
+        return None
+    return first.as_strided((2 * n, k), (k, 1))
+
+
 def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
     """down(silu(gate x) * up x): the feed-forward of every dense layer and expert.
-    (fp8 on a GPU, a few rows: gate, up and SiLU in one launch, fp8_linear.fp8_swiglu.)"""
+    (fp8 on a GPU, a few rows: gate, up and SiLU in one launch, fp8_linear.fp8_swiglu.)
+    On a GPU, gate and up lying side by side are one product: at a decode batch each of
+    the shared experts' three cuBLAS calls took 7.6 us on an H100 for 11.5 MB, a read at
+    half the card's rate; one call over both reads 23 MB."""
     if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight) and x.is_cuda:
         from preload.kernels.fp8_linear import fp8_swiglu  # Triton: imported only where there is a GPU
 
         h = fp8_swiglu(x, gate, up)
         if h is not None:
             return linear(h, down)
+    both = side_by_side(gate, up) if x.is_cuda else None
+    if both is not None:
+        g, u = F.linear(x, both).chunk(2, -1)
+        return linear(F.silu(g) * u, down)
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 

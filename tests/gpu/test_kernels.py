@@ -157,3 +157,21 @@ def test_mla_decode_at_real_shapes(heads, fp8, lens):
     want = mla_decode_reference(q_lat.float(), q_pe.float(), as_float(pools),
                                 table, ctx, 16, max(lens), scale)
     assert (got - want).abs().max() < 3e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 100, 2048])
+def test_swiglu_of_gate_and_up_side_by_side_equals_them_apart(rows):
+    """Gate and up lying side by side (the arena's layout) take one product on a GPU: the
+    output of two products of the matrices apart, within bf16's rounding (V2-Lite's shared
+    experts' shapes)."""
+    from preload.kernels.moe import side_by_side, swiglu
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d, inner = 2048, 2816
+    buffer = (torch.randn(3 * inner * d, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    gate, up, down = buffer[: inner * d].view(inner, d), buffer[inner * d : 2 * inner * d].view(inner, d), \
+        buffer[2 * inner * d :].view(d, inner)
+    assert side_by_side(gate, up) is not None and side_by_side(gate.clone(), up.clone()) is None
+    x = torch.randn(rows, d, device="cuda", generator=gen).to(torch.bfloat16)
+    got, want = swiglu(x, gate, up, down).float(), swiglu(x, gate.clone(), up.clone(), down).float()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
