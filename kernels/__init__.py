@@ -7,8 +7,8 @@ import importlib
 from collections.abc import Callable
 
 TRITON_MODULES = ("cache_write", "fp8_act", "fp8_linear", "fused_moe", "fused_norm", "fused_rope", "fused_router",
-                  "head_matvec", "mla_decode", "mla_prefill", "moe_align", "moe_decode", "moe_prefill", "moe_sum",
-                  "split_k", "triton_dot")
+                  "head_matvec", "launch", "mla_decode", "mla_prefill", "moe_align", "moe_decode", "moe_prefill",
+                  "moe_sum", "split_k", "triton_dot")
 
 
 def triton_import_steps() -> list[Callable[[], object]]:

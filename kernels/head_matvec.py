@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.triton_dot import dot_dtype
+from preload.kernels.launch import launcher
 
 ROWS = 16  # sequences a step's tile of rows takes at most: one tile, each matrix read once
 WIDE_ROWS = 64  # past ROWS: a tensor-core tile of rows each program (the matrices are 2 MB: read again per tile)
@@ -60,7 +61,7 @@ def head_matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(batch, heads, n, dtype=x.dtype, device=x.device)
     block_n = 64 if n >= 256 else 32  # (V2-Lite: 512 columns, 8 blocks a head; 128, 4)
     block_m = ROWS if batch <= ROWS else WIDE_ROWS
-    _head_matvec[(heads, triton.cdiv(n, block_n), triton.cdiv(batch, block_m))](
+    launcher(_head_matvec)[(heads, triton.cdiv(n, block_n), triton.cdiv(batch, block_m))](
         x, w, out, batch, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1), DOT=dot_dtype(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
         num_warps=4, num_stages=3,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
 from preload.kernels.triton_dot import TRITON_DTYPES, dot_dtype
 
 if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it)
@@ -169,7 +170,7 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
     splits, bn = splits_for(batch, heads, max_context), block_n(batch)  # (both kernels cut the splits alike)
     parts = torch.empty(batch, heads, splits, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q_lat.device)
-    _mla_decode_split[(batch, triton.cdiv(heads, BLOCK_H), splits)](
+    launcher(_mla_decode_split)[(batch, triton.cdiv(heads, BLOCK_H), splits)](
         q_lat, q_pe, pools.ptrs, block_table, context_lens, parts, lse, heads, scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
@@ -179,7 +180,7 @@ def mla_decode_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, blo
     )
     out = torch.empty_like(q_lat)
     chunk, block_r = combine_tile(splits, rank)
-    _mla_decode_combine[(batch, heads, rank // block_r)](
+    launcher(_mla_decode_combine)[(batch, heads, rank // block_r)](
         parts, lse, context_lens, out, heads, splits, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
         out.stride(1), SPLITS=triton.next_power_of_2(splits), CHUNK=chunk, BLOCK_R=block_r, MIN_SPLIT=MIN_SPLIT,
         BLOCK_N=bn, num_warps=1,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from preload.kernels.launch import launcher
 from preload.kernels.prefill import CHUNK, PrefillPlan, chunk_latents, prefill_plan
 from preload.kernels.triton_dot import INTERPRETING, dot_dtype
 
@@ -186,7 +187,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
         keys = torch.matmul(c, kv_b_t, out=kv[: hi - lo])
         del c
         tiles, head_cols, v_col = _key_tiles(keys, k_pe, heads, dn, dv)
-        _prefill_chunk[grid](
+        launcher(_prefill_chunk)[grid](
             q_nope, q_pe, *tiles, plan.q_starts, plan.kv_starts, plan.context_lens, m, l, acc, out,
             lo, hi, scale * LOG2_E,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), m.stride(0), acc.stride(0),
