@@ -35,7 +35,7 @@ def _kind(arg) -> object:
     if isinstance(arg, TensorDescriptor):  # (its shape, strides, block shape... all kept as values)
         return (arg.base.dtype, arg.base.data_ptr() % 16 == 0,
                 *((k, tuple(v) if isinstance(v, list) else v) for k, v in vars(arg).items() if k != "base"))
-    return arg
+    return type(arg), arg  # (True == 1 == 1.0 in Python; Triton compiles i1, i32 and fp32 apart)
 
 
 def launcher(kernel):

@@ -17,9 +17,10 @@ def test_tensors_of_one_kind_differ_only_in_address_and_keep_their_alignment():
     assert _kind(a) != _kind(a.float())
 
 
-def test_any_other_argument_is_its_value():
-    assert _kind(16) == 16 and _kind(17) != _kind(16)
-    assert _kind(0.125) == 0.125 and _kind(None) is None
+def test_any_other_argument_is_its_type_and_value():
+    assert _kind(16) == _kind(16) and _kind(17) != _kind(16)
+    assert _kind(1) != _kind(True) and _kind(1) != _kind(1.0)  # (equal in Python, three kernels in Triton)
+    assert _kind(0.125) == _kind(0.125) and _kind(None) == _kind(None)
 
 
 def test_descriptors_of_one_kind_share_all_but_their_base():
