@@ -276,7 +276,7 @@ class CoreClient:
         landed = time.monotonic()
         for wire in msg["o"]:
             out = output_from_wire(wire)
-            out.landed = (landed,) if out.token_ids else ()
+            out.land(landed)
             req = self.requests.get(out.seq_id)
             if req is None or req.core != core:
                 continue  # (its reader left, or another core computes it now)

@@ -154,7 +154,7 @@ class AsyncEngine:
         for out in news:
             reader = self._readers.get(out.seq_id)
             if reader is not None:  # else its reader left; the abort is on its way
-                out.landed = (landed,) if out.token_ids else ()
+                out.land(landed)
                 reader.put_nowait(out)
 
     def _run(self) -> None:

@@ -35,6 +35,10 @@ class Output:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def land(self, at: float) -> None:
+        """Record that this step's tokens reached the server at `at` (a step without any: none)."""
+        self.landed = (at,) if self.token_ids else ()
+
     @classmethod
     def merge(cls, outputs: list[Output]) -> Output:
         """One Output saying what `outputs` (consecutive, of one sequence) say together."""
