@@ -138,20 +138,20 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, pools: Pools, 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, pools: Pools,
                block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, max_context: int,
-               scale: float) -> torch.Tensor:
+               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence against its cached context: q_nope [B, H, dn], q_pe
     [B, H, dr], absorbed weights (absorbed_weights), one layer's pools. max_context: no
     context is longer (the kernel's split count follows it, the reference's gather width).
-    -> [B, H, dv]."""
+    -> [B, H, dv], into `out` if given (rows of a step's attention output: no copy)."""
     q_lat = per_head(q_nope, w_uk.transpose(1, 2))
     if q_lat.is_cuda and pools.ptrs is not None and decode_kernel_takes(q_lat.shape[-1], q_pe.shape[-1]):
         from preload.kernels.mla_decode import mla_decode_latent  # Triton: imported only where there is a GPU
 
-        out = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), pools, block_table, context_lens, block_size,
-                                max_context, scale)
+        latent = mla_decode_latent(q_lat.contiguous(), q_pe.contiguous(), pools, block_table, context_lens,
+                                   block_size, max_context, scale)
     else:
-        out = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)
-    return per_head(out, w_uv)
+        latent = mla_decode_reference(q_lat, q_pe, pools, block_table, context_lens, block_size, max_context, scale)
+    return per_head(latent, w_uv, out)
 
 
 def decode_kernel_takes(rank: int, rope: int) -> bool:
@@ -163,12 +163,13 @@ def decode_kernel_takes(rank: int, rope: int) -> bool:
     return all(n >= 16 and n & (n - 1) == 0 for n in (rank, rope))
 
 
-def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def per_head(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[b, h, n] = sum over k of x[b, h, k] w[h, n, k]: x [B, H, K], w [H, N, K]. On a
     GPU in one Triton launch (head_matvec.py), out contiguous as the attention kernel and the
-    output projection read it."""
+    output projection read it; or into `out` [B, H, N] (N contiguous) if given."""
     if x.is_cuda and x.stride(-1) == 1:
         from preload.kernels.head_matvec import head_matvec  # Triton: imported only where there is a GPU
 
-        return head_matvec(x, w)
-    return torch.einsum("bhk,hnk->bhn", x, w)
+        return head_matvec(x, w, out)
+    got = torch.einsum("bhk,hnk->bhn", x, w)
+    return got if out is None else out.copy_(got)

@@ -50,15 +50,18 @@ def _head_matvec(x_ptr, w_ptr, out_ptr, B, N, K, stride_xb, stride_xh, stride_wh
              mask=(b[:, None] < B) & (n[None, :] < N))
 
 
-def head_matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out[b, h, n] = sum over k of x[b, h, k] w[h, n, k] in one launch, out contiguous:
-    x [B, H, K] with K contiguous, w [H, N, K] any strided view (W_uk transposed, W_uv as
-    stored)."""
+def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[b, h, n] = sum over k of x[b, h, k] w[h, n, k] in one launch, out contiguous (or
+    the given `out` [B, H, N], N contiguous): x [B, H, K] with K contiguous, w [H, N, K] any
+    strided view (W_uk transposed, W_uv as stored)."""
     batch, heads, k = x.shape
     n = w.shape[1]
     if x.stride(-1) != 1:
         raise ValueError(f"x {tuple(x.shape)} with strides {x.stride()}: K must be contiguous")
-    out = torch.empty(batch, heads, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(batch, heads, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (batch, heads, n) or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} with strides {out.stride()}: [{batch}, {heads}, {n}], N contiguous")
     block_n = 64 if n >= 256 else 32  # (V2-Lite: 512 columns, 8 blocks a head; 128, 4)
     block_m = ROWS if batch <= ROWS else WIDE_ROWS
     launcher(_head_matvec)[(heads, triton.cdiv(n, block_n), triton.cdiv(batch, block_m))](

@@ -43,3 +43,18 @@ def test_the_output_is_contiguous_and_a_strided_k_is_refused():
     assert head_matvec(x, w_uk.transpose(1, 2)).is_contiguous()  # (the einsum's is a transposed view)
     with pytest.raises(ValueError, match="contiguous"):
         head_matvec(x.transpose(0, 2).contiguous().transpose(0, 2), w_uk.transpose(1, 2))
+
+
+def test_it_writes_into_given_rows_of_a_wider_output_and_nowhere_else():
+    """A mixed step's decode rows write their attention straight into the step's output
+    [T, H, dv] (deepseek.paged_attention): the first rows of it, N contiguous, rows apart."""
+    _, w_uv = kv_b(2, 32, 48, 64)
+    latent = torch.randn(5, 2, 64).to(torch.bfloat16).to(DEVICE)
+    step = torch.full((9, 2, 48), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    got = head_matvec(latent, w_uv, step[:5])
+    assert got.data_ptr() == step.data_ptr()
+    want = torch.einsum("bhr,hvr->bhv", latent.float(), w_uv.float())
+    assert torch.allclose(step[:5].float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+    assert (step[5:] == 7.0).all()
+    with pytest.raises(ValueError, match=r"\[5, 2, 48\]"):
+        head_matvec(latent, w_uv, step[:4])

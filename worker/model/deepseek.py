@@ -95,21 +95,18 @@ def paged_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor
     heads, dn = q_nope.shape[1], q_nope.shape[2]
     d = meta.decode_rows
 
-    def absorbed(rows: int) -> torch.Tensor:
+    def absorbed(rows: int, into: torch.Tensor | None = None) -> torch.Tensor:
         return mla_decode(q_nope[:rows], q_pe[:rows], *absorbed_weights(kv_b, heads, dn), pools, meta.block_table[:rows],
-                          meta.context_lens[:rows], meta.block_size, meta.decode_context, scale)
+                          meta.context_lens[:rows], meta.block_size, meta.decode_context, scale, into)
 
-    if d == q_nope.shape[0] and out is None:
-        return absorbed(d)
+    if d == q_nope.shape[0]:
+        return absorbed(d, out)
     if out is None:
         out = q_nope.new_empty(q_nope.shape[0], heads, kv_b.shape[0] // heads - dn)
-    if d == q_nope.shape[0]:
-        out.copy_(absorbed(d))
-        return out
     from preload.kernels.mla_prefill import mla_prefill  # Triton: imported only where it runs
 
     if d:
-        out[:d] = absorbed(d)
+        absorbed(d, out[:d])
     p = meta.prompts
     mla_prefill(q_nope[d:], q_pe[d:], kv_b, pools, p.block_table, p.context_lens, p.q_starts, meta.block_size,
                 p.max_context, p.max_q, scale, out=out[d:], context_tokens=p.context_tokens, plan=meta.prefill_plan)
