@@ -183,8 +183,9 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, po
     grid = (batch, triton.cdiv(max_q, BLOCK_M), heads)
     for lo in range(0, total, chunk):
         hi = min(lo + chunk, total)
-        c, k_pe = chunk_latents(pools, plan.slots[lo:hi], q_nope.dtype)
-        keys = torch.matmul(c, kv_b_t, out=kv[: hi - lo])
+        whole = hi - lo == total  # (one chunk, as most steps have: no views of the whole to make)
+        c, k_pe = chunk_latents(pools, plan.slots if whole else plan.slots[lo:hi], q_nope.dtype)
+        keys = torch.matmul(c, kv_b_t, out=kv if whole else kv[: hi - lo])
         del c
         tiles, head_cols, v_col = _key_tiles(keys, k_pe, heads, dn, dv)
         launcher(_prefill_chunk)[grid](

@@ -88,9 +88,10 @@ class PromptGraphs:
             return self.model.forward(tokens, meta, cache)
         self._fill(tokens, meta, t, size, scratch_slot)
         pieces = self.graphs[size]
+        q_nope, q_pe, attended = self.q_nope[:t], self.q_pe[:t], self.attended[:t]  # (views made once a step)
         for layer, piece in zip(self.model.layers, pieces):
             piece.replay()
-            layer.attn.attend(self.q_nope[:t], self.q_pe[:t], meta, cache, out=self.attended[:t])
+            layer.attn.attend(q_nope, q_pe, meta, cache, out=attended)
         pieces[-1].replay()
         return self.hidden[size][:t]
 
