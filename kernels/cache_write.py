@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.fp8 import FP8_MAX
+from preload.kernels.launch import launcher
 from preload.kernels.triton_dot import TRITON_DTYPES
 
 if TYPE_CHECKING:  # (attention.py imports this module where it dispatches to it)
@@ -55,7 +56,7 @@ def write_latents_triton(pools: Pools, slots: torch.Tensor, c_kv: torch.Tensor, 
     if t == 0:
         return
     c_kv, k_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (c_kv, k_pe))
-    _write_latents[(t,)](
+    launcher(_write_latents)[(t,)](
         pools.ptrs, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0),
         R=rank, DR=rope, BLOCK_R=triton.next_power_of_2(rank), BLOCK_DR=triton.next_power_of_2(rope),
         CACHE=TRITON_DTYPES[pools.c_kv.dtype], FP8=pools.c_scale is not None, FP8_MAX=FP8_MAX,

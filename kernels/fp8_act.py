@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.fp8 import FP8, FP8_MAX
+from preload.kernels.launch import launcher
 from preload.kernels.precision import QUANT_BLOCK
 
 GROUP = QUANT_BLOCK[1]  # columns that share a scale: a weight block's width, so a K tile of both has one each
@@ -57,6 +58,7 @@ def quantize_groups(x: torch.Tensor, scales_by_column: bool = False) -> tuple[to
     else:
         scales = torch.empty(t, groups, dtype=torch.float32, device=x.device)
     if t:
-        _quantize_groups[(triton.cdiv(t, ROWS), groups)](x, q, scales, t, k, x.stride(0), q.stride(0), scales.stride(0),
-                                                       scales.stride(1), FP8_MAX=FP8_MAX, ROWS=ROWS, GROUP=GROUP)
+        launcher(_quantize_groups)[(triton.cdiv(t, ROWS), groups)](
+            x, q, scales, t, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), FP8_MAX=FP8_MAX,
+            ROWS=ROWS, GROUP=GROUP)
     return q, scales

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from preload.kernels.fp8_act import quantize_groups
 from preload.kernels.fused_moe import _launch, fp8_activations
+from preload.kernels.launch import launcher
 from preload.kernels.quant import Fp8Weight, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot, slices
 from preload.kernels.triton_dot import dot_dtype
@@ -135,7 +136,7 @@ def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, 
     part = partials(splits, w2 is not None, (t, n), rows.device)
     second = w2 if w2 is not None else w
     if by_row:
-        _row_gemv[(t, blocks_n, splits)](
+        launcher(_row_gemv)[(t, blocks_n, splits)](
             rows, w.q, w.scale_inv, second.q, second.scale_inv, part, counters(rows.device), out, n, k, per,
             rows.stride(0), w.q.stride(0), w.scale_inv.stride(0), w.scale_inv.stride(1),
             part.stride(0), part.stride(1), out.stride(0),
@@ -143,7 +144,7 @@ def split_k_gemv(rows: torch.Tensor, w: Fp8Weight, w2: Fp8Weight | None = None, 
             SUB=min(4, triton.next_power_of_2(per)), num_warps=4, num_stages=1,
         )
         return out
-    _split_k_gemv[(blocks_n, splits)](
+    launcher(_split_k_gemv)[(blocks_n, splits)](
         rows, w.q, w.scale_inv, second.q, second.scale_inv, part, counters(rows.device), out, t, n, k, per,
         rows.stride(0), w.q.stride(0), w.q.stride(1), w.scale_inv.stride(0), w.scale_inv.stride(1),
         part.stride(0), part.stride(1), out.stride(0),

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
+from preload.kernels.launch import launcher
 from preload.kernels.moe_align import align_by_expert_triton
 from preload.kernels.moe_prefill import moe_prefill, supported
 from preload.kernels.moe_sum import sum_pairs
@@ -203,7 +204,7 @@ def _launch(a, w: Weight, out, aligned, pairs: int, top_k: int, block_m: int, *,
     if out_scale is not None and block_n != GROUP:
         raise ValueError(f"e4m3 outputs take a scale per {GROUP} columns: tiles of {block_n} columns cannot")
     grid = (sorted_pairs.numel() // block_m, triton.cdiv(n, block_n))
-    _grouped_gemm[grid](
+    launcher(_grouped_gemm)[grid](
         a, a_scale if fp8_act else a, q, q2, scale, scale2, out, out_scale if out_scale is not None else out,
         route if route is not None else out, sorted_pairs, block_expert, padded_rows,
         pairs, n, k,

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
+
 
 @triton.jit
 def round_to(x, DT: tl.constexpr):
@@ -87,7 +89,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         h = torch.empty(rows.shape, dtype=act, device=x.device)
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, act), device=x.device)
     block_d = triton.next_power_of_2(d)
-    _rms_norm[(rows.shape[0],)](
+    launcher(_rms_norm)[(rows.shape[0],)](
         rows, res if res is not None else rows, weight.contiguous(), out, h if h is not None else rows, d, eps,
         rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0), h.stride(0) if h is not None else 0,
         ADD=residual is not None, BLOCK_D=block_d, num_warps=_warps(block_d),

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from preload.kernels.fused_norm import round_to
+from preload.kernels.launch import launcher
 
 # Measured on an H200 inside CUDA graphs (T = 1..512, 16 and 128 heads): many small
 # programs of one warp beat fewer, larger ones.
@@ -111,7 +112,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor | None, interleaved: bool, position
         positions = inv_freq = cos
     kk = k3 if k3 is not None else q3
     block_h = min(BLOCK_H, triton.next_power_of_2(heads))
-    _rope[(tokens, triton.cdiv(heads, block_h))](
+    launcher(_rope)[(tokens, triton.cdiv(heads, block_h))](
         q3, kk, q_out, k_out, positions, inv_freq, cos, sin, heads, scale,
         q3.stride(0), q3.stride(1), kk.stride(0), q_out.stride(0), q_out.stride(1), k_out.stride(0), cos.stride(0),
         HAS_K=k3 is not None, FROM_POSITIONS=from_positions, INTERLEAVED=interleaved,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
 from preload.kernels.triton_dot import INTERPRETING
 
 # Measured on an H200 inside CUDA graphs, T = 1..512 tokens, D = 2048..7168, E = 64..256.
@@ -193,7 +194,7 @@ def _route_launch(partials: torch.Tensor, bias, top_k: int, n_group: int, topk_g
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=partials.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=partials.device)
     renorm = norm_topk_prob and (sigmoid or top_k > 1)  # route_softmax renormalizes only more than one
-    _route[(triton.cdiv(tokens, block_r),)](
+    launcher(_route)[(triton.cdiv(tokens, block_r),)](
         partials, bias.contiguous() if bias is not None else partials, weights, ids, tokens, splits, partials.stride(0), scaling,
         E=num_experts, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
         SIGMOID=sigmoid, GROUPED=grouped, RENORM=renorm,
@@ -220,7 +221,7 @@ def gate_partials(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     split_d = triton.cdiv(triton.cdiv(d, splits), block_k) * block_k
     splits = triton.cdiv(d, split_d)  # none left empty by the rounding up
     partials = torch.empty(splits, tokens, num_experts, dtype=torch.float32, device=x.device)
-    _gate_logits[(triton.cdiv(tokens, block_t), triton.cdiv(num_experts, block_e), splits)](
+    launcher(_gate_logits)[(triton.cdiv(tokens, block_t), triton.cdiv(num_experts, block_e), splits)](
         x, gate, partials, tokens, num_experts, d, split_d, x.stride(0), gate.stride(0), partials.stride(0),
         DOT=dot, PRECISION="ieee" if INTERPRETING or dot != tl.float32 else "tf32x3", BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,

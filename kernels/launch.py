@@ -6,7 +6,9 @@ then calls the compiled kernel's launcher. On the GPU hosts that took 27-62 us a
 against 13-27 us for the launcher alone (H100, scripts/probe_launch.py). Launches
 under CUDA graphs pay it once, at capture; the attention between a prompt step's
 replayed pieces (prompt_graphs.py) pays it five times a layer, and there the host, not
-the GPU, set the pace of a step that mixes prompt chunks and decode rows.
+the GPU, set the pace of a step that mixes prompt chunks and decode rows; a step run
+eagerly (a drafter's prompt steps, `--enforce-eager`) pays it at each of its ~1,100
+launches. Every kernel of this package launches through it.
 
 `launcher(kernel)[grid](*args, **constexprs)` launches as `kernel[grid]` does: the
 first call of a kind goes through the JIT (which compiles if it must) and keeps the

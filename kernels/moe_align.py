@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
+
 GROUP = 32  # blocks of rows a program labels and pads: a GROUP x E tile
 HIST = 1024  # ids a program histograms at a time
 
@@ -122,7 +124,7 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     grid = (max(triton.cdiv(pairs, chunk), triton.cdiv(num_blocks, GROUP), 1),)
     # (histogram bins: a power of two, at least a warp's 32 lanes, which the GPU's histogram needs)
     e_pad = max(triton.next_power_of_2(num_experts), 32)
-    _align[grid](
+    launcher(_align)[grid](
         flat, sorted_pairs, block_expert, padded_rows, pairs, num_experts, num_blocks,
         E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, GROUP=GROUP, HIST=min(HIST, triton.next_power_of_2(max(pairs, 1))),
     )

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
 from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.split_k import combine_splits, counters, partials, row_dot
 
@@ -171,7 +172,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
     gate_splits = triton.cdiv(tiles, per)
     count = counters(x.device)
     part = partials(gate_splits, True, (t * slots, width), x.device)
-    _gate_up[(t * slots, blocks, gate_splits)](
+    launcher(_gate_up)[(t * slots, blocks, gate_splits)](
         x, ids, g, u, gs, us, sgq, suq, sgs, sus, part, count, h,
         inner, inner_shared, dim, per,
         x.stride(0), g.stride(0), g.stride(1), *_scale_strides(gate), sgq.stride(-2), *_scale_strides(sg)[-2:],
@@ -182,7 +183,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: 
     out = torch.empty(t, dim, dtype=x.dtype, device=x.device)
     down_splits = min(splits, triton.cdiv(min(inner, inner_shared or inner), BLOCK_K))  # no slot's slice empty
     part = partials(slots * down_splits, False, (t, dim), x.device)
-    _down[(t, triton.cdiv(dim, block_n), slots * down_splits)](
+    launcher(_down)[(t, triton.cdiv(dim, block_n), slots * down_splits)](
         h, ids, route, d, ds, sdq, sds, part, count, out,
         dim, inner, inner_shared, down_splits,
         h.stride(0), d.stride(0), d.stride(1), *_scale_strides(down), sdq.stride(-2), *_scale_strides(sd)[-2:],

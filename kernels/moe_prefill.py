@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from preload.kernels.fp8 import FP8, FP8_MAX
 from preload.kernels.fp8_act import GROUP, quantize_groups, round_e4m3
+from preload.kernels.launch import launcher
 from preload.kernels.moe_sum import sum_pairs
 from preload.kernels.quant import Fp8Weight, Weight, kernel_parts, scale_block
 from preload.kernels.triton_dot import dot_dtype
@@ -59,7 +60,7 @@ def gather_rows(src: torch.Tensor, aligned, pairs: int, top_k: int) -> torch.Ten
     k = src.shape[1]
     dst = torch.empty(sorted_pairs.numel(), k, dtype=src.dtype, device=src.device)
     block_k = min(triton.next_power_of_2(k), 256)
-    _gather_rows[(triton.cdiv(sorted_pairs.numel(), GATHER_ROWS),)](
+    launcher(_gather_rows)[(triton.cdiv(sorted_pairs.numel(), GATHER_ROWS),)](
         src, dst, sorted_pairs, padded_rows, pairs, k, src.stride(0), dst.stride(0),
         TOP_K=top_k, ROWS=GATHER_ROWS, BLOCK_K=block_k)
     return dst
@@ -172,7 +173,7 @@ def _launch(a: torch.Tensor, a_scale, w: Weight, out: torch.Tensor, aligned, pai
     w_desc, scale = _weight_parts(w, block_n, block_k)
     w2_desc, scale2 = _weight_parts(w2, block_n, block_k) if w2 is not None else (w_desc, scale)
     n_tiles = triton.cdiv(n, block_n)
-    _expert_gemm[(sorted_pairs.numel() // block_m * n_tiles,)](
+    launcher(_expert_gemm)[(sorted_pairs.numel() // block_m * n_tiles,)](
         a_desc, a_scale if fp8 else out, w_desc, w2_desc, scale if fp8 else out, scale2 if fp8 else out, out,
         out_scale if out_scale is not None else out, route if route is not None else out,
         sorted_pairs, block_expert, padded_rows, pairs, n, k, n_tiles,

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from preload.kernels.launch import launcher
+
 BLOCK_T = 4  # tokens a program sums
 BLOCK_D = 512  # columns a program sums
 
@@ -48,7 +50,7 @@ def sum_pairs(y: torch.Tensor, top_k: int, add: torch.Tensor | None = None) -> t
     if tokens == 0:
         return out
     grid = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(d, BLOCK_D))
-    _sum_pairs[grid](y, add if add is not None else out, out, tokens, d, y.stride(0),
-                     add.stride(0) if add is not None else 0, out.stride(0),
-                     TOP_K=top_k, ADD=add is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+    launcher(_sum_pairs)[grid](y, add if add is not None else out, out, tokens, d, y.stride(0),
+                               add.stride(0) if add is not None else 0, out.stride(0),
+                               TOP_K=top_k, ADD=add is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     return out
