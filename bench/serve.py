@@ -23,6 +23,9 @@ What is reported:
   sees them (the worker sends one chunk per engine step, so one gap per token);
 - TPOT: per request, (last chunk - first chunk) / (output tokens - 1);
 - end-to-end latency per request; and failures (non-200, broken stream, short output);
+- the client's own CPU time over the run's wall time: one process reads every stream (100
+  streams at 11 ms a step are ~9,000 chunks a second, ~95 us of httpx each on the CPU
+  machine), and one busy near a whole core reads chunks late, which the ITL then counts;
 - from the worker's /metrics, scraped before and after (where it has them): the engine
   steps the run took by kind, their mean time, and the share of the decode steps
   launched ahead that the host spent waiting on the GPU (worker/engine/step_clock.py):
@@ -57,6 +60,7 @@ STEPS_SETTLE = 0.3  # seconds for the workers' last step figures to reach /metri
 GRAPHS_PENDING = "preload_engine_graphs_pending"
 GRAPHS_TIMEOUT = 600.0  # seconds to wait, before the run, for the workers' CUDA graphs to be captured
 RESTART_TIMEOUT = 600.0  # seconds for one `preload restart` round
+CLIENT_BUSY = 0.8  # the load generator's CPU share above which its table says its latencies are partly its own
 
 
 @dataclass
@@ -219,19 +223,19 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
         graphs_wait = await wait_for_graphs(client, progress)
         progress(f"{requests} requests, {concurrency} concurrent")
         steps_before = await engine_steps(client)
-        records, wall = await closed_loop(client, fields, work[warmup:], concurrency, timeout)
+        records, wall, cpu = await closed_loop(client, fields, work[warmup:], concurrency, timeout)
         await asyncio.sleep(STEPS_SETTLE)
         result = summarize(records, wall, info | {"url": url, "vocab": vocab}, {
             "requests": requests, "concurrency": concurrency, "prompt_len": list(prompt_len),
             "output_len": list(output_len), "seed": seed, "warmup": warmup, "graphs_wait_s": graphs_wait,
-            "extra_body": extra_body or {}})
+            "extra_body": extra_body or {}}, cpu)
         result["engine_steps"] = steps_taken(steps_before, await engine_steps(client))
         if rolling_restarts:
             progress(f"the same {requests} requests again, during {rolling_restarts} rolling restart(s)")
             t0 = time.perf_counter()
             rounds = asyncio.create_task(asyncio.to_thread(restart_rounds, state_dir, rolling_restarts, t0))
-            records, wall = await closed_loop(client, fields, work[warmup:], concurrency, timeout, rounds)
-            result["under_restarts"] = figures(records, wall) | {"restarts": await rounds}
+            records, wall, cpu = await closed_loop(client, fields, work[warmup:], concurrency, timeout, rounds)
+            result["under_restarts"] = figures(records, wall, cpu) | {"restarts": await rounds}
     return result
 
 
@@ -298,13 +302,13 @@ def steps_taken(before: dict | None, after: dict | None) -> dict | None:
 
 
 async def closed_loop(client: httpx.AsyncClient, fields: dict, work: list, concurrency: int,
-                      timeout: float, until: asyncio.Future | None = None) -> tuple[list[RequestRecord], float]:
+                      timeout: float, until: asyncio.Future | None = None) -> tuple[list[RequestRecord], float, float]:
     """`concurrency` clients, each sending its next request as soon as its previous one
     ended, until `work` is done (and, with `until`, over again until it is done too): the
-    records and the wall time."""
+    records, the wall time and the CPU time this process spent meanwhile."""
     queue = list(reversed(work))
     records: list[RequestRecord] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
 
     async def client_loop():
         while queue or (until is not None and not until.done()):
@@ -314,7 +318,7 @@ async def closed_loop(client: httpx.AsyncClient, fields: dict, work: list, concu
             records.append(await one_request(client, fields, prompt, max_tokens, t0, timeout))
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return records, time.perf_counter() - t0
+    return records, time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def restart_rounds(state_dir: str, rounds: int, t0: float) -> list[dict]:
@@ -328,17 +332,20 @@ def restart_rounds(state_dir: str, rounds: int, t0: float) -> list[dict]:
     return out
 
 
-def summarize(records: list[RequestRecord], wall: float, server: dict, config: dict) -> dict:
+def summarize(records: list[RequestRecord], wall: float, server: dict, config: dict, client_cpu_s: float) -> dict:
     return {"bench": "serve", "server": server, "config": config,
-            "machine": host_info() | {"loadavg_after": os.getloadavg()}, **figures(records, wall)}
+            "machine": host_info() | {"loadavg_after": os.getloadavg()}, **figures(records, wall, client_cpu_s)}
 
 
-def figures(records: list[RequestRecord], wall: float) -> dict:
+def figures(records: list[RequestRecord], wall: float, client_cpu_s: float) -> dict:
     good = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_tokens = sum(r.prompt_tokens for r in good)
     return {
         "wall_s": wall,
+        # The load generator's own CPU (one process, one event loop) over the wall time: near 1, it
+        # was busy enough to read chunks late, and the latencies are partly its own.
+        "client_cpu_share": client_cpu_s / wall if wall else None,
         "completed": len(good),
         "failed": len(records) - len(good),
         "errors": sorted({r.error for r in records if r.error})[:10],
@@ -407,6 +414,10 @@ def run_lines(run: dict) -> list[str]:
         if steps["gpu_wait_share"] is not None:
             lines.append(f"decode_ahead steps waited on the GPU {100 * steps['gpu_wait_share']:.0f}% of their time "
                          "(near 100%: bound by the GPU; far below: by the host's work between steps)")
+    share = run.get("client_cpu_share")
+    if share is not None:
+        lines.append(f"the client (this process) was busy {100 * share:.0f}% of the run"
+                     + (": near a whole core, its own lag is in the latencies above" if share > CLIENT_BUSY else ""))
     if run["errors"]:
         lines += ["", "errors:"] + [f"  {e}" for e in run["errors"]]
     return lines

@@ -186,8 +186,12 @@ def test_serve_figures_and_table():
     records = [serve.RequestRecord(64, 3, ok=True, ttft=0.1, latency=0.3, output_tokens=3, chunk_gaps=[0.1, 0.1]),
                serve.RequestRecord(64, 3, ok=True, ttft=0.2, latency=0.4, output_tokens=3, chunk_gaps=[0.1, 0.1]),
                serve.RequestRecord(64, 3, error="HTTP 503: draining")]
-    f = serve.figures(records, wall=1.0)
+    f = serve.figures(records, wall=1.0, client_cpu_s=0.9)
     assert (f["completed"], f["failed"], f["errors"]) == (2, 1, ["HTTP 503: draining"])
+    assert f["client_cpu_share"] == pytest.approx(0.9)
+    busy = "\n".join(serve.run_lines(f))
+    assert "the client (this process) was busy 90% of the run: near a whole core" in busy
+    assert "near a whole core" not in "\n".join(serve.run_lines(serve.figures(records, wall=1.0, client_cpu_s=0.2)))
     assert f["throughput"]["output_tokens_per_s"] == 6 and f["ttft_s"]["p50"] == pytest.approx(0.15)
     assert f["tpot_s"]["p50"] == pytest.approx(0.1) and f["itl_s"]["n"] == 4
     result = recorded("serve")
