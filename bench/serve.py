@@ -24,7 +24,7 @@ What is reported:
 - TPOT: per request, (last chunk - first chunk) / (output tokens - 1);
 - end-to-end latency per request; and failures (non-200, broken stream, short output);
 - the client's own CPU time over the run's wall time: one process reads every stream (100
-  streams at 11 ms a step are ~9,000 chunks a second, ~95 us of httpx each on the CPU
+  streams at 11 ms a step are ~9,000 chunks a second, ~74 us of httpx each on the CPU
   machine), and one busy near a whole core reads chunks late, which the ITL then counts;
 - from the worker's /metrics, scraped before and after (where it has them): the engine
   steps the run took by kind, their mean time, and the share of the decode steps
