@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from preload.kernels.triton_dot import dot_dtype
 from preload.kernels.launch import launcher
+from preload.kernels.triton_dot import dot_dtype
 
 ROWS = 16  # sequences a step's tile of rows takes at most: one tile, each matrix read once
 WIDE_ROWS = 64  # past ROWS: a tensor-core tile of rows each program (the matrices are 2 MB: read again per tile)
