@@ -248,7 +248,7 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
     import asyncio
     import json
 
-    import httpx
+    import aiohttp
 
     from preload.bench.serve import format_table, parse_range, request_fields, run_load
 
@@ -267,7 +267,7 @@ def serve(url, n_requests, concurrency, prompt_len, output_len, seed, vocab, war
         result = asyncio.run(run_load(url, n_requests, concurrency, p_len, o_len, seed, vocab, warmup, timeout,
                                       rolling_restarts, state_dir and str(state_dir), progress=_progress,
                                       extra_body=extra))
-    except (httpx.HTTPError, OSError, RuntimeError, ValueError) as e:
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as e:
         raise click.ClickException(f"{url}: {e}") from None
     _report(result, format_table, json_path)
 

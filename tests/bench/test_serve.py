@@ -47,20 +47,26 @@ def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
     assert result["config"]["graphs_wait_s"] < 5  # (a CPU captures none: nothing to wait for)
 
 
-def metrics_server(pending: list[float | None]):
-    """An httpx client whose /metrics reports each of `pending` in turn (None: no such
-    series, as another server's), then the last for good."""
-    import httpx
+async def waited_for_graphs(pending: list[float | None], **kwargs) -> float:
+    """wait_for_graphs against a real HTTP server whose /metrics reports each of `pending`
+    in turn (None: no such series, as another server's), then the last for good."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
 
-    def handle(request):
+    from preload.bench.serve import client_session, wait_for_graphs
+
+    async def metrics(request):
         value = pending.pop(0) if len(pending) > 1 else pending[0]
         text = "" if value is None else (
             "# TYPE preload_engine_graphs_pending gauge\n"
             f'preload_engine_graphs_pending{{worker="slot-0"}} {value}\n'
             f'preload_engine_graphs_pending{{worker="slot-1"}} 0.0\n')
-        return httpx.Response(200, text=text)
+        return web.Response(text=text)
 
-    return httpx.AsyncClient(base_url="http://worker", transport=httpx.MockTransport(handle))
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, client_session(str(server.make_url("/")), 2) as client:
+        return await wait_for_graphs(client, **kwargs)
 
 
 def test_the_run_waits_for_the_workers_cuda_graphs_to_be_captured():
@@ -72,14 +78,12 @@ def test_the_run_waits_for_the_workers_cuda_graphs_to_be_captured():
 
     import pytest
 
-    from preload.bench.serve import wait_for_graphs
-
     said = []
-    waited = asyncio.run(wait_for_graphs(metrics_server([3.0, 2.0, 1.0, 0.0]), said.append, poll=0.01))
+    waited = asyncio.run(waited_for_graphs([3.0, 2.0, 1.0, 0.0], progress=said.append, poll=0.01))
     assert waited >= 0.03 and said == ["waiting for the workers to capture 3 CUDA graph bucket(s)"]
-    assert asyncio.run(wait_for_graphs(metrics_server([None]), poll=10.0)) < 1.0
+    assert asyncio.run(waited_for_graphs([None], poll=10.0)) < 1.0
     with pytest.raises(RuntimeError, match="still had 5 CUDA graph bucket"):
-        asyncio.run(wait_for_graphs(metrics_server([5.0]), timeout=0.05, poll=0.01))
+        asyncio.run(waited_for_graphs([5.0], timeout=0.05, poll=0.01))
 
 
 def test_extra_body_may_not_set_what_the_bench_counts_by():
