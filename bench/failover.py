@@ -38,7 +38,7 @@ import httpx
 from preload.bench.driver import Daemon, free_port, running_daemon, wait_for
 from preload.bench.gpu import Gpu
 from preload.bench.results import begin, finish, quantiles, row
-from preload.bench.serve import scrape, summed
+from preload.bench.serve import metric_samples, summed
 
 PROMPTS = 16
 VOCAB_SAFE = 1000  # prompt ids drawn below this: inside any of our models' vocabularies
@@ -166,7 +166,12 @@ async def run_case(d: Daemon, clients: int, kills: int, max_tokens: int, spares:
 async def draft_counts(client: httpx.AsyncClient) -> dict[str, float]:
     """The draft tokens made and accepted so far, by the worker's /metrics (its front's
     counters: they outlive the cores killed)."""
-    samples = await scrape(client)
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+        samples = metric_samples(r.text)
+    except httpx.HTTPError:
+        samples = []
     return {f"{name}_tokens": summed(samples, f"preload_spec_decode_num_{name}_tokens_total")
             for name in ("draft", "accepted")}
 

@@ -249,13 +249,17 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
 
 async def scrape(client: aiohttp.ClientSession) -> list:
     """The samples of the server's /metrics now (none where it has no /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         async with client.get("/metrics", raise_for_status=True) as r:
-            text = await r.text()
+            return metric_samples(await r.text())
     except aiohttp.ClientError:
         return []
+
+
+def metric_samples(text: str) -> list:
+    """The samples of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
