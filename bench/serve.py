@@ -96,13 +96,15 @@ def parse_range(text: str) -> tuple[int, int]:
 def client_session(url: str, connections: int) -> aiohttp.ClientSession:
     """The load generator's HTTP client. aiohttp, as vLLM's serving benchmark uses: one
     process reads every stream, and on the CPU machine it spent ~44 us a streamed chunk where
-    httpx spent ~74 (100 streams at 11 ms a step are ~9,000 chunks a second)."""
+    httpx spent ~74 (100 streams at 11 ms a step are ~9,000 chunks a second). Requests name
+    their paths relative ("v1/models"): a `url` with a path of its own (a proxy's prefix)
+    keeps it, where aiohttp would replace it with an absolute one."""
     return aiohttp.ClientSession(base_url=url.rstrip("/") + "/", timeout=aiohttp.ClientTimeout(total=60),
                                  connector=aiohttp.TCPConnector(limit=connections))
 
 
 async def server_info(client: aiohttp.ClientSession) -> dict:
-    async with client.get("/v1/models", raise_for_status=True) as r:
+    async with client.get("v1/models", raise_for_status=True) as r:
         card = (await r.json())["data"][0]
     return {"model": card["id"], "max_model_len": card.get("max_model_len")}
 
@@ -111,7 +113,7 @@ async def discover_vocab(client: aiohttp.ClientSession, model: str, limit: int =
     """The smallest id the worker refuses as outside its vocabulary, by bisection."""
 
     async def valid(token: int) -> bool:
-        async with client.post("/v1/completions", json={"model": model, "prompt": [token], "max_tokens": 0,
+        async with client.post("v1/completions", json={"model": model, "prompt": [token], "max_tokens": 0,
                                                         "echo": True}) as r:
             text = await r.text()
         if r.status == 200:
@@ -166,7 +168,7 @@ async def one_request(client: aiohttp.ClientSession, fields: dict, prompt: list[
     usage = None
     done = False
     try:
-        async with client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with client.post("v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             if r.status != 200:
                 rec.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return rec
@@ -250,7 +252,7 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
 async def scrape(client: aiohttp.ClientSession) -> list:
     """The samples of the server's /metrics now (none where it has no /metrics)."""
     try:
-        async with client.get("/metrics", raise_for_status=True) as r:
+        async with client.get("metrics", raise_for_status=True) as r:
             return metric_samples(await r.text())
     except aiohttp.ClientError:
         return []

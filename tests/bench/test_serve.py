@@ -47,9 +47,10 @@ def test_a_run_reports_its_requests_and_the_engines_steps(tmp_path):
     assert result["config"]["graphs_wait_s"] < 5  # (a CPU captures none: nothing to wait for)
 
 
-async def waited_for_graphs(pending: list[float | None], **kwargs) -> float:
-    """wait_for_graphs against a real HTTP server whose /metrics reports each of `pending`
-    in turn (None: no such series, as another server's), then the last for good."""
+async def waited_for_graphs(pending: list[float | None], prefix: str = "", **kwargs) -> float:
+    """wait_for_graphs against a real HTTP server whose /metrics (under `prefix`, as behind a
+    proxy) reports each of `pending` in turn (None: no such series, as another server's),
+    then the last for good."""
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
@@ -64,8 +65,8 @@ async def waited_for_graphs(pending: list[float | None], **kwargs) -> float:
         return web.Response(text=text)
 
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    async with TestServer(app) as server, client_session(str(server.make_url("/")), 2) as client:
+    app.router.add_get(f"{prefix}/metrics", metrics)
+    async with TestServer(app) as server, client_session(str(server.make_url(prefix or "/")), 2) as client:
         return await wait_for_graphs(client, **kwargs)
 
 
@@ -84,6 +85,16 @@ def test_the_run_waits_for_the_workers_cuda_graphs_to_be_captured():
     assert asyncio.run(waited_for_graphs([None], poll=10.0)) < 1.0
     with pytest.raises(RuntimeError, match="still had 5 CUDA graph bucket"):
         asyncio.run(waited_for_graphs([5.0], timeout=0.05, poll=0.01))
+
+
+def test_a_url_with_a_path_keeps_it():
+    """--url http://host/prefix (a server behind a proxy's path): the bench's requests go
+    under that path (the /metrics it waits on here; the API's paths are named alike)."""
+    import asyncio
+
+    said = []
+    asyncio.run(waited_for_graphs([1.0, 0.0], prefix="/llm", progress=said.append, poll=0.01))
+    assert said == ["waiting for the workers to capture 1 CUDA graph bucket(s)"]
 
 
 def test_extra_body_may_not_set_what_the_bench_counts_by():
