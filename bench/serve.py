@@ -250,11 +250,12 @@ async def run_load(url: str, requests: int, concurrency: int, prompt_len: tuple[
 
 
 async def scrape(client: aiohttp.ClientSession) -> list:
-    """The samples of the server's /metrics now (none where it has no /metrics)."""
+    """The samples of the server's /metrics now (none where it has no /metrics, or it did not
+    answer within the session's timeout)."""
     try:
         async with client.get("metrics", raise_for_status=True) as r:
             return metric_samples(await r.text())
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, TimeoutError):
         return []
 
 
