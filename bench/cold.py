@@ -420,11 +420,12 @@ def format_table(result: dict) -> str:
     m, rf, mach = result["model"], result["read_files"], result["machine"]
     first, warm = rf["first"], rf["warm"]
     workers = f", --workers {result['workers']} (ready = every worker ready)" if result.get("workers") else ""
+    uncompiled = " and ".join(mach.get("compiled_from_source") or [])
     lines = [
         f"preload bench cold: {m['path']} ({m['total_bytes'] / 1e9:.3f} GB in {len(m['files'])} file(s),"
         f" largest tensor {_size(m['largest_tensor']['bytes'])}){workers}",
         f"machine: {mach['hostname']}, {mach['cpus_usable']} CPUs, torch {mach['torch']}"
-        + (" (compiled from source at each import: no bytecode)" if mach.get('torch_compiled_from_source') else "") + ","
+        + (f" ({uncompiled} compiled from source at each import: no bytecode)" if uncompiled else "") + ","
         f" device {mach.get('device') or mach['device_requested']}, load avg {result['loadavg_before'][0]:.2f}",
         f"read files alone ({rf['buffer_bytes'] // MiB} MiB sequential reads):"
         f" first {_dur(first['seconds'])} ({first['gb_per_s']:.2f} GB/s, "

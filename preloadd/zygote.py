@@ -50,7 +50,7 @@ from pathlib import Path
 from preload.ipc.protocol import log_output_to
 from preload.kernels import ahead, triton_import_steps
 from preload.options import ServeOptions, from_json, to_json
-from preload.preloadd.install import code_version, compiles_from_source
+from preload.preloadd.install import code_version, uncompiled_imports
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV, METRICS_DIR, MULTIPROC_ENV
 from preload.preloadd.workers import MAX_BACKOFF, unregister
 
@@ -372,10 +372,10 @@ class Zygotes:
         self._failures = 0
         self._next_start = 0.0  # backoff after a zygote died before it was ready
         self._code_checked = time.monotonic()
-        if compiles_from_source():
-            log.warning("torch has no cached bytecode and this Python writes none: every zygote compiles its 2,000"
-                        " modules again, seconds of each cold start and zygote renewal (`python -m compileall` over"
-                        " its site-packages once ends that)")
+        if uncompiled := uncompiled_imports():
+            log.warning("%s: no cached bytecode, and this Python writes none: every zygote compiles it again,"
+                        " seconds of each cold start and zygote renewal (`python -m compileall` over it once,"
+                        " into PYTHONPYCACHEPREFIX where that is set, ends that)", " and ".join(uncompiled))
 
     def pids(self) -> set[int]:
         return {z.pid for z in (self.ready, self.pending, *self.retired) if z is not None}

@@ -172,3 +172,33 @@ def test_a_python_that_compiles_torch_at_every_import_is_noticed(tmp_path):
     assert reported() == "False"  # it will cache what it compiles
     assert compileall.compile_dir(tmp_path / "pkg", quiet=1)
     assert reported("-B") == "False"
+
+
+def test_a_bytecode_prefix_without_the_standard_library_is_noticed(tmp_path):
+    """With PYTHONPYCACHEPREFIX set, Python looks for all bytecode under the prefix and
+    ignores the __pycache__ folders beside the sources: a prefix filled with a package's
+    bytecode (as the GPU machine's runs filled it with torch's) leaves the standard library
+    compiled at every start where nothing is written, 0.4-0.5 s an interpreter."""
+    import compileall
+    import subprocess
+    import sys
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("x = 1\n")
+    prefix = tmp_path / "pyc"
+    code = ("from preload.preloadd.install import compiles_from_source, uncompiled_imports;"
+            " print(compiles_from_source('pkg'), 'the standard library' in uncompiled_imports())")
+
+    def reported(*flags: str) -> str:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "PYTHONPYCACHEPREFIX": str(prefix)}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        return subprocess.run([sys.executable, *flags, "-c", code], env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert compileall.compile_dir(tmp_path / "pkg", quiet=1)  # beside the source: not where the prefix looks
+    assert reported("-B") == "True True"
+    assert reported() == "False False"  # the prefix is written: each is compiled once
+    env_prefix = {"PYTHONPYCACHEPREFIX": str(tmp_path / "pyc2")}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tmp_path / "pkg")], env=os.environ | env_prefix, check=True)
+    prefix = tmp_path / "pyc2"
+    assert reported("-B") == "False True"  # the package in the prefix; the library still not
