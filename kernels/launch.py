@@ -15,7 +15,10 @@ first call of a kind goes through the JIT (which compiles if it must) and keeps 
 compiled kernel's launcher, later calls of that kind go straight to it. Two calls are of
 one kind when only the addresses of their tensors differ, each as aligned to 16 bytes as
 before: Triton specializes a tensor on its dtype and on that alignment, any other
-argument on its value, so both calls compile to one kernel. What is not the JIT's kernel
+argument on its value, so both calls compile to one kernel. Finding the kind is this
+module's own cost, Python at each launch: on an H100 host at 7dec262 a kept launch took
+26.8 us against the launcher's 12.9 alone (scripts/probe_launch.py, `_head_matvec`), so
+it is kept lean (`_kinds`: 5.3 -> 3.9 us on the CPU machine). What is not the JIT's kernel
 (Triton's interpreter's, in the CPU tests; a benchmark's wrapper that times each launch,
 bench/step_profile.py) is launched as it is.
 """
@@ -40,6 +43,13 @@ def _kind(arg) -> object:
     return type(arg), arg  # (True == 1 == 1.0 in Python; Triton compiles i1, i32 and fp32 apart)
 
 
+def _kinds(args: tuple) -> tuple:
+    """_kind of each argument, the common ones (tensors, ints) inline: this is most of a kept
+    launch's own Python, and a call per argument cost about as much again."""
+    return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if type(a) is int
+                  else _kind(a) for a in args])
+
+
 def launcher(kernel):
     """The kernel's Launcher (one a kernel), or the kernel itself where it is not the JIT's."""
     if not isinstance(kernel, JITFunction):
@@ -61,14 +71,17 @@ class Launcher:
         return lambda *args, **keywords: self.launch(tuple(grid), args, keywords)
 
     def launch(self, grid: tuple[int, ...], args: tuple, keywords: dict) -> None:
-        kind = (torch.cuda.current_device(), grid, tuple(map(_kind, args)), tuple(keywords.items()))
-        run = self.kept.get(kind)
-        if run is None:
+        kind = (torch.cuda.current_device(), grid, _kinds(args), tuple(keywords.items()))
+        kept = self.kept.get(kind)
+        if kept is None:
             compiled = self.kernel[grid](*args, **keywords)  # the JIT's own launch (and compile)
             if len(self.kept) >= KINDS_KEPT:
                 self.kept.clear()
-            if all(name in keywords for name in self.names[len(args):]):  # (else a default was taken: JIT always)
-                self.kept[kind] = compiled[grid + (1,) * (3 - len(grid))]
+            rest = self.names[len(args):]
+            if all(name in keywords for name in rest):  # (else a default was taken: JIT always)
+                # The launcher takes every parameter in order, constexprs too (they are in its
+                # signature); those passed by name are part of the kind, so kept with it.
+                self.kept[kind] = compiled[grid + (1,) * (3 - len(grid))], tuple(keywords[name] for name in rest)
             return
-        # The launcher takes every parameter in order, constexprs too (they are in its signature).
-        run(*args, *(keywords[name] for name in self.names[len(args):]))
+        run, named = kept
+        run(*args, *named)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from preload.kernels.launch import _kind, launcher
+from preload.kernels.launch import _kind, _kinds, launcher
 
 
 def test_tensors_of_one_kind_differ_only_in_address_and_keep_their_alignment():
@@ -21,6 +21,16 @@ def test_any_other_argument_is_its_type_and_value():
     assert _kind(16) == _kind(16) and _kind(17) != _kind(16)
     assert _kind(1) != _kind(True) and _kind(1) != _kind(1.0)  # (equal in Python, three kernels in Triton)
     assert _kind(0.125) == _kind(0.125) and _kind(None) == _kind(None)
+
+
+def test_a_calls_kinds_tell_apart_what_each_arguments_kind_does():
+    """_kinds, a launch's arguments together (tensors and ints inline), draws the same lines."""
+    a = torch.zeros(64, dtype=torch.bfloat16)
+    calls = [(a, 16, 0.5), (a[8:], 16, 0.5), (a[1:], 16, 0.5), (a.float(), 16, 0.5), (a, 17, 0.5), (a, True, 0.5),
+             (a, 1, 0.5), (a, 1.0, 0.5), (a, 16, None), (a, 16, 0.25)]
+    for one in calls:
+        for other in calls:
+            assert (_kinds(one) == _kinds(other)) == (tuple(map(_kind, one)) == tuple(map(_kind, other)))
 
 
 def test_descriptors_of_one_kind_share_all_but_their_base():
