@@ -30,7 +30,9 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 KINDS_KEPT = 64  # kinds of call a kernel keeps before forgetting them all (batch sizes make new ones)
-_LAUNCHERS: dict[JITFunction, Launcher] = {}
+# By the kernel's id: a JITFunction hashes its source's cache key under a lock (0.5 us a
+# launch); the Launcher holds the kernel, so no other object takes its id.
+_LAUNCHERS: dict[int, Launcher] = {}
 
 
 def _kind(arg) -> object:
@@ -54,9 +56,9 @@ def launcher(kernel):
     """The kernel's Launcher (one a kernel), or the kernel itself where it is not the JIT's."""
     if not isinstance(kernel, JITFunction):
         return kernel
-    found = _LAUNCHERS.get(kernel)
+    found = _LAUNCHERS.get(id(kernel))
     if found is None:
-        found = _LAUNCHERS[kernel] = Launcher(kernel)
+        found = _LAUNCHERS[id(kernel)] = Launcher(kernel)
     return found
 
 
