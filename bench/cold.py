@@ -12,9 +12,8 @@ Everything is measured on this machine in one run, so the ratios compare like wi
    quant mode, `repeat` times (after one unrecorded warm-up launch, or those first starts):
    run the real `preload start` (with `workers` workers, if any: it returns once they are
    ready) until it exits 0, sampling the memory of its process tree every 20 ms; read the
-   daemon's own /status
-   (load_seconds, arena bytes) and its kernel peak RSS (VmHWM); time `preload stop`.
-   The files are warm in the page cache throughout.
+   daemon's own /status (load_seconds, arena bytes) and its kernel peak RSS (VmHWM); time
+   `preload stop`. The files are warm in the page cache throughout.
 The memfd arena is written with pwrite and never mapped by the daemon, so it is not in
 the daemon's RSS: host memory while loading is RSS + arena.
 """
@@ -421,11 +420,11 @@ def format_table(result: dict) -> str:
     first, warm = rf["first"], rf["warm"]
     workers = f", --workers {result['workers']} (ready = every worker ready)" if result.get("workers") else ""
     uncompiled = " and ".join(mach.get("compiled_from_source") or [])
+    uncompiled = f" ({uncompiled} compiled from source at each import: no bytecode)" if uncompiled else ""
     lines = [
         f"preload bench cold: {m['path']} ({m['total_bytes'] / 1e9:.3f} GB in {len(m['files'])} file(s),"
         f" largest tensor {_size(m['largest_tensor']['bytes'])}){workers}",
-        f"machine: {mach['hostname']}, {mach['cpus_usable']} CPUs, torch {mach['torch']}"
-        + (f" ({uncompiled} compiled from source at each import: no bytecode)" if uncompiled else "") + ","
+        f"machine: {mach['hostname']}, {mach['cpus_usable']} CPUs, torch {mach['torch']}{uncompiled},"
         f" device {mach.get('device') or mach['device_requested']}, load avg {result['loadavg_before'][0]:.2f}",
         f"read files alone ({rf['buffer_bytes'] // MiB} MiB sequential reads):"
         f" first {_dur(first['seconds'])} ({first['gb_per_s']:.2f} GB/s, "
