@@ -150,8 +150,8 @@ def run_start(model: Path, quant: str, device: str, workers: int, restore: Path 
 
 START_LINES = {"daemon.log": ("zygote launched", "health port", "loading ", "loaded in", "ready in", "zygote ready",
                               "worker 0 started", "worker 0 ready", "kernels compiled ahead"),
-               "worker-0.log": ("weights attached in", "first step", "captured", "KV cache", "ready in",
-                                "after the first request came", "kernels this process"),
+               "worker-0.log": ("arena mapped in", "weights attached in", "first step", "captured", "KV cache",
+                                "ready in", "after the first request came", "kernels this process"),
                "front-0.log": ("ready in",)}
 
 

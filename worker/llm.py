@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -160,7 +161,11 @@ class LLM:
 
     def _attach(self, state_dir, model, quant: str | None, device: str | None, dtype: str | None,
                 dp_rank: int = 0) -> Weights:
+        t = time.monotonic()
         self.attached = attach(state_dir, dp_rank=dp_rank)
+        # (a start's timeline: on a GPU this is the CUDA context and the arena's import, which a worker
+        # forked before the load ends could make beside it; the model's build and first graph follow)
+        log.info("the daemon's arena mapped in %.3f s", time.monotonic() - t)
         m = self.attached.manifest
         try:
             wanted = {"quant": quant, "dtype": dtype, "device": device and resolve_device_name(device)}
