@@ -40,8 +40,8 @@ def compiles_from_source(module: str = "torch") -> bool:
         return False
     if sys.dont_write_bytecode:
         return True
-    folder = os.path.dirname(os.path.dirname(cached))  # __pycache__'s parent, or the prefix's mirror of it
-    while not os.path.isdir(folder):  # a prefix's mirror is made at the first write
+    folder = os.path.dirname(cached)  # its __pycache__, or the prefix's mirror of its folder
+    while not os.path.isdir(folder):  # made at the first write: then where it would be made
         folder = os.path.dirname(folder)
     return not os.access(folder, os.W_OK)
 
