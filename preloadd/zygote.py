@@ -373,9 +373,9 @@ class Zygotes:
         self._next_start = 0.0  # backoff after a zygote died before it was ready
         self._code_checked = time.monotonic()
         if uncompiled := uncompiled_imports():
-            log.warning("%s: no cached bytecode, and this Python writes none: every zygote compiles it again,"
-                        " seconds of each cold start and zygote renewal (`python -m compileall` over it once,"
-                        " into PYTHONPYCACHEPREFIX where that is set, ends that)", " and ".join(uncompiled))
+            log.warning("no cached bytecode for %s, and this Python writes none: every interpreter compiles those"
+                        " modules again, seconds of each cold start and zygote renewal (`python -m compileall` over"
+                        " them once, into PYTHONPYCACHEPREFIX where that is set, ends that)", " and ".join(uncompiled))
 
     def pids(self) -> set[int]:
         return {z.pid for z in (self.ready, self.pending, *self.retired) if z is not None}
