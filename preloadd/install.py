@@ -50,7 +50,8 @@ def uncompiled_imports() -> list[str]:
     """What every fresh interpreter here compiles again (compiles_from_source): torch, and the
     standard library (json standing for it). A PYTHONPYCACHEPREFIX makes Python look for all
     bytecode under the prefix, the standard library's too, so a prefix filled with torch's
-    alone leaves the library compiled at every start: 0.4-0.5 s an interpreter."""
+    alone leaves the library compiled at every start (`preload --help` on the CPU machine:
+    0.07 s, 0.29 s with an empty prefix)."""
     return [name for module, name in (("torch", "torch"), ("json", "the standard library"))
             if compiles_from_source(module)]
 
