@@ -410,23 +410,22 @@ class Supervisor:
 
     def _refill(self) -> None:
         now = time.monotonic()
+        # Cores first: a slot waits for its core's start, the longer (its front's runs beside it).
+        for slot, info in enumerate(self.slots if self.asleep is None else ()):  # (asleep: no core, no spare)
+            if self.holder(slot) is None and now >= info.next_start:
+                if self.adoption is not None and self.adoption.waiting_for(slot):
+                    continue  # its orphan lives and will call
+                self._fill(slot)
         for slot, info in enumerate(self.front_slots):
             if self.front_of(slot) is None and now >= info.next_start and self._can_fork():
                 if self.adoption is not None and self.adoption.waiting_for(slot, "front"):
                     continue  # its orphan lives and will call
                 self.spawn(slot, "front")
-        if self.asleep is not None:
-            return  # (no core, no spare: preloadd/sleeping.py)
-        for slot, info in enumerate(self.slots):
-            if self.holder(slot) is None and now >= info.next_start:
-                if self.adoption is not None and self.adoption.waiting_for(slot):
-                    continue  # its orphan lives and will call
-                self._fill(slot)
         starting = any(w.slot is not None and w.state != "ready" and not w.retiring and w.role == "core"
                        for w in self.workers.values())
         # Spares warm up while no worker is starting, so that they never slow down one that is.
         short = [k for k in range(self.dp_ranks) if len(self.idle_spares(k)) < self.spares]
-        if not starting and short and now >= self.spare_pool.next_start and self._can_fork():
+        if self.asleep is None and not starting and short and now >= self.spare_pool.next_start and self._can_fork():
             self.spawn(None, dp_rank=short[0])
 
     def _can_fork(self) -> bool:

@@ -229,16 +229,16 @@ class DecodeGraphs:
         start on the H200, leave its start.
         `cache` must have been made with ptrs=self.cache_ptrs."""
         assert cache.ptrs is self.cache_ptrs, "the cache must write its addresses into the graphs' table"
-        t0 = time.monotonic()
+        t0, held = time.monotonic(), torch.cuda.memory_reserved()
         todo = sorted(self.pending if sizes is None else set(sizes) - set(self.graphs), reverse=True)
         if todo and self.pool is None and todo[0] != self.sizes[-1]:
             todo.insert(0, self.sizes[-1])  # (the pool is sized by the largest)
         for size in todo:
             self._capture(size, cache, scratch_block)
         torch.cuda.synchronize()
-        if todo:
-            log.info("captured %d decode graphs (batch %s) in %.2f s", len(todo), ",".join(map(str, sorted(todo))),
-                     time.monotonic() - t0)
+        if todo:  # (with what the pool took: the KV cache budget's reserve must cover it, kv_cache.worker_reserve)
+            log.info("captured %d decode graphs (batch %s) in %.2f s, %+.1f MiB reserved", len(todo),
+                     ",".join(map(str, sorted(todo))), time.monotonic() - t0, (torch.cuda.memory_reserved() - held) / (1 << 20))
 
     def _capture(self, size: int, cache: LatentCache, scratch_block: int) -> None:
         self._fill([], size, scratch_block)
