@@ -5,6 +5,8 @@ them, here in one process under cProfile.
 
     python3 scripts/probe_worker_start.py STATE_DIR [--profile]
 
+Triton, the kernel modules and Triton's hash of itself come first, unprofiled, as a zygote
+does them before it forks (kernels.triton_import_steps).
 Run it once to fill the kernel cache (the daemon's TRITON_CACHE_DIR, if set, is not this
 process's: set it alike), then again with --profile: a worker's start with its kernels
 compiled. Prints the phases' seconds, then the profile's top functions (cumulative, then
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from preload.kernels import triton_import_steps
 from preload.options import EngineOptions
 from preload.worker.llm import LLM
 from preload.worker.serve import WARM_UP_KV_BYTES, WARM_UP_PROMPT
@@ -38,6 +41,8 @@ def start(state_dir: str) -> dict:
 
 
 def main(state_dir: str, profile: bool) -> None:
+    for step in triton_import_steps():  # what the zygote did before it forked the worker
+        step()
     if not profile:
         print(start(state_dir))
         return
