@@ -36,7 +36,7 @@ LAYERS = [
     ("preload", 6),  # the package's face: `from preload import LLM`
 ]
 SIBLINGS = {frozenset({"preload.preloadd", "preload.worker"})}  # same rank, never each other
-EXCEPTIONS = {("preload.preloadd.zygote", "preload.worker")}  # the zygote runs worker code
+EXCEPTIONS = {("preload.preloadd.zygote_process", "preload.worker")}  # the zygote runs worker code
 
 
 def module_name(path: Path) -> str:
@@ -104,7 +104,8 @@ def test_the_check_itself_catches_upward_and_sideways_imports():
     assert not allowed("preload.preloadd.daemon", "preload.worker.serve")
     assert not allowed("preload.worker.attach", "preload.preloadd.loader")
     assert not allowed("preload.worker.engine.engine", "preload.worker.api.app")
-    assert allowed("preload.preloadd.zygote", "preload.worker.serve")
+    assert allowed("preload.preloadd.zygote_process", "preload.worker.serve")
+    assert not allowed("preload.preloadd.zygote", "preload.worker.serve")  # (its handle, in the daemon)
     assert allowed("preload.cli.start", "preload.preloadd.daemon")
 
 

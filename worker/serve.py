@@ -231,7 +231,7 @@ def serve_front(opts: ServeOptions, slot: int, sock: socket.socket, link: Daemon
     client = CoreClient(core_address(opts.state_dir, slot))  # bound first: a core's hello waits there, not in retries
     link.beat(client.progress)
     # The HTTP stack, imported here: a core never needs it, and a zygote imports it once it is
-    # ready (preloadd/zygote.py), so that a start's first front, forked at once, imports it
+    # ready (preloadd/zygote_process.py), so that a start's first front, forked at once, imports it
     # beside its core's start, not before the fork.
     from preload.worker.api.app import create_app
     from preload.worker.http_server import DrainingServer, http_config
@@ -293,7 +293,7 @@ async def publish_load(gated: GatedSocket, state: WorkerState) -> None:
 
 def http_import_steps() -> list[Callable[[], object]]:
     """The HTTP stack a front imports (FastAPI, uvicorn, the API's routes: 0.5 s on the CPU
-    machine, of a zygote's 2.7), as steps a zygote takes once it is ready (preloadd/zygote.py)."""
+    machine, of a zygote's 2.7), as steps a zygote takes once it is ready (preloadd/zygote_process.py)."""
     return [partial(importlib.import_module, name) for name in HTTP_MODULES]
 
 

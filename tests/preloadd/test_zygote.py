@@ -1,4 +1,4 @@
-"""The zygote on its own (preloadd/zygote.py): launched with nothing but its state dir, it
+"""The zygote on its own (preloadd/zygote.py, zygote_process.py): launched with nothing but its state dir, it
 imports, then takes what its workers start with from the daemon's first message. It forks,
 so it has no threads. Its fronts' HTTP stack, and for GPU workers their Triton kernels, it
 imports once it is ready, a step at a time while no fork request waits; for CPU workers it
@@ -17,7 +17,7 @@ import pytest
 
 from preload.options import ServeOptions
 from preload.preloadd.install import code_version
-from preload.preloadd.zygote import Zygote, next_request, send, worker_spec
+from preload.preloadd.zygote import Zygote, worker_spec
 
 
 def ready_zygote(tmp_path, api: socket.socket, gpu: bool) -> Zygote:
@@ -91,61 +91,6 @@ def test_a_ready_zygote_has_one_thread_though_numpy_starts_blas_threads_at_impor
         z.retire()
         z.proc.wait(timeout=30)
         z.close()
-
-
-@pytest.fixture
-def channel():
-    daemon, zygote = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with daemon, zygote:
-        yield daemon, zygote
-
-
-def test_a_request_waiting_is_served_before_any_idle_work(channel):
-    daemon, zygote = channel
-    done = []
-    send(daemon, {"slot": 3})
-    work = [lambda: done.append(1), lambda: done.append(2)]
-    assert next_request(zygote, work) == ({"slot": 3}, [])
-    assert done == [] and len(work) == 2
-
-
-def test_idle_work_runs_a_step_at_a_time_until_a_request_comes(channel):
-    daemon, zygote = channel
-    done = []
-
-    def step(name: str, then_ask: bool = False):
-        def run():
-            done.append(name)
-            if then_ask:
-                send(daemon, {"slot": None})
-        return run
-
-    work = [step("a"), step("b", then_ask=True), step("c", then_ask=True)]
-    assert next_request(zygote, work) == ({"slot": None}, [])
-    assert done == ["a", "b"] and len(work) == 1  # the step after the request's arrival waits for the next idle time
-    assert next_request(zygote, work) == ({"slot": None}, [])
-    assert done == ["a", "b", "c"] and work == []
-
-
-def test_a_closed_channel_ends_the_wait_without_idle_work(channel):
-    daemon, zygote = channel
-    work = [lambda: pytest.fail("idle work after the daemon left")]
-    daemon.close()
-    assert next_request(zygote, work) == (None, [])
-
-
-def test_a_failed_step_ends_the_idle_work_and_not_the_zygote(channel, capfd):
-    daemon, zygote = channel
-    done = []
-
-    def fail():
-        send(daemon, {"slot": 0})
-        raise ImportError("no module named triton")
-
-    work = [fail, lambda: done.append("after")]
-    assert next_request(zygote, work) == ({"slot": 0}, [])
-    assert done == [] and work == []
-    assert "no module named triton" in capfd.readouterr().err
 
 
 def test_a_python_that_compiles_torch_at_every_import_is_noticed(tmp_path):
