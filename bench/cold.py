@@ -36,7 +36,7 @@ from preload.bench.file_reads import (cat_files, checkpoint_files, evict_from_pa
                                       read_files)
 from preload.bench.gpu import Gpu
 from preload.bench.results import MiB, begin, finish, quantiles, row
-from preload.bench.timed_start import POLL_S, SETTLE_TIMEOUT, StartRun, run_start
+from preload.bench.start_run import POLL_S, SETTLE_TIMEOUT, StartRun, run_start
 from preload.kernels import ahead
 from preload.preloadd.state_dir import KERNEL_CACHE_ENV
 

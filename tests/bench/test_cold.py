@@ -1,4 +1,4 @@
-"""`preload bench cold` (bench/cold.py, bench/timed_start.py) with workers says where the first worker's start went: the lines
+"""`preload bench cold` (bench/cold.py, bench/start_run.py) with workers says where the first worker's start went: the lines
 of the daemon's and worker 0's logs that time it (the zygote launched, the health port open,
 loading, loaded (so that the load's end and the zygote's ready compare), the zygote's
 imports done, worker started, weights attached, first step, KV cache, ready, its front
@@ -15,12 +15,12 @@ import json
 import pytest
 
 from preload import BUNDLED_MODEL
-from preload.bench import cold, timed_start
+from preload.bench import cold, start_run
 
 
 def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
-    run = timed_start.run_start(BUNDLED_MODEL, "none", "cpu", workers=1, settled=True)
-    phrases = [p for phrases in timed_start.START_LINES.values() for p in phrases]
+    run = start_run.run_start(BUNDLED_MODEL, "none", "cpu", workers=1, settled=True)
+    phrases = [p for phrases in start_run.START_LINES.values() for p in phrases]
     found = {phrase: [line for line in run.worker_log if phrase in line] for phrase in phrases}
     for phrase in ("zygote launched", "health port", "loading ", "loaded in", "zygote ready", "worker 0 started",
                    "weights attached in", "first step", "KV cache", "worker 0 ready"):
@@ -38,7 +38,7 @@ def test_a_start_with_a_worker_keeps_the_lines_that_time_its_start():
     timeline = [next(i for i, line in enumerate(run.worker_log) if p in line)
                 for p in ("bench: the first request sent", "step 1 (prompt)", "bench: its answer received")]
     assert timeline == sorted(timeline), run.worker_log
-    assert run.settled_s is not None and run.first_request_s <= run.settled_s < timed_start.SETTLE_TIMEOUT, run.settled_s
+    assert run.settled_s is not None and run.first_request_s <= run.settled_s < start_run.SETTLE_TIMEOUT, run.settled_s
 
     summary = cold.summarize_starts([run], warm_s=1.0, first_s=1.0)
     assert summary["worker_log"] == run.worker_log
