@@ -163,8 +163,8 @@ class LLM:
                 dp_rank: int = 0) -> Weights:
         t = time.monotonic()
         self.attached = attach(state_dir, dp_rank=dp_rank)
-        # (a start's timeline: on a GPU this is the CUDA context and the arena's import, which a worker
-        # forked before the load ends could make beside it; the model's build and first graph follow)
+        # (a start's timeline: on a GPU this is the CUDA context and the arena's import; the model's
+        # build and first graph follow)
         log.info("the daemon's arena mapped in %.3f s", time.monotonic() - t)
         m = self.attached.manifest
         try:
